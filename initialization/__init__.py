@@ -1,0 +1,1 @@
+"""Asset preparation: model download with checksums, draft quantization, dataset preparation."""

@@ -1,0 +1,47 @@
+"""Frozen run-time configuration of the Specter engine (plain dataclasses, no Hydra)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specter.errors import SpecterError
+
+
+@dataclass(frozen=True)
+class SpecterConfig:
+    """How one engine decodes.
+
+    k: speculation depth (draft tokens per iteration), >= 1.
+    resident_experts_per_layer: FP16 expert-cache slots per MoE layer (None = all experts resident).
+    temperature: 0 means greedy; > 0 samples with standard speculative (rejection) sampling.
+    top_p: nucleus filter applied to both draft and target distributions when sampling.
+    seed: seed of the sampling generator.
+    """
+
+    k: int = 4
+    resident_experts_per_layer: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or self.k < 1:
+            raise SpecterError(f"speculation depth k must be an integer >= 1, got {self.k!r}")
+        slots = self.resident_experts_per_layer
+        if slots is not None and (not isinstance(slots, int) or slots < 1):
+            raise SpecterError(f"resident_experts_per_layer must be an integer >= 1 or None, got {slots!r}")
+        if self.temperature < 0:
+            raise SpecterError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpecterError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_against(self, num_experts: int) -> None:
+        """Raise if the residency asks for more slots than the model has experts per layer."""
+        slots = self.resident_experts_per_layer
+        if slots is not None and slots > num_experts:
+            raise SpecterError(
+                f"resident_experts_per_layer={slots} exceeds the model's {num_experts} routed experts per layer"
+            )

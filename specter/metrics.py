@@ -1,0 +1,79 @@
+"""Decode metrics: TPOT, TTFT, acceptance rate, accepted lengths, per-phase times."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from specter.offload.timeline import Timeline
+
+
+@dataclass
+class GenerationResult:
+    """What every system's generate() returns: the new tokens only, and a flat stats dict."""
+
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)
+
+
+def tpot_ms(commit_times_ms: list[float]) -> float:
+    """(time of last committed token - time of first) / (N - 1); NaN for fewer than 2 tokens."""
+    n = len(commit_times_ms)
+    return (commit_times_ms[-1] - commit_times_ms[0]) / (n - 1) if n > 1 else float("nan")
+
+
+class DecodeMetrics:
+    """Collects timestamps of commits and phases on a Timeline, and the outcome of each window."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.timeline = Timeline(device)
+        self.start = self.timeline.mark()
+        self._commits: list[tuple[int, int]] = []  # (timeline mark, tokens committed)
+        self._phases: dict[str, list[tuple[int, int]]] = {}
+        self._open: dict[str, int] = {}
+        self.windows: list[tuple[int, int]] = []  # (k drafted, n accepted)
+
+    def commit(self, num_tokens: int) -> None:
+        self._commits.append((self.timeline.mark(), num_tokens))
+
+    def begin(self, phase: str) -> None:
+        self._open[phase] = self.timeline.mark()
+
+    def end(self, phase: str) -> None:
+        self._phases.setdefault(phase, []).append((self._open.pop(phase), self.timeline.mark()))
+
+    def window(self, drafted: int, accepted: int) -> None:
+        """One verify pass; a pass with nothing drafted (the last token) counts as an iteration only."""
+        self.windows.append((drafted, accepted))
+
+    def summary(self) -> dict:
+        """The stats dict (reads the timeline: on a GPU the host waits here, once)."""
+        elapsed = self.timeline.elapsed_ms
+        per_token = [elapsed(self.start, mark) for mark, n in self._commits for _ in range(n)]
+        stats = {
+            "generated_tokens": len(per_token),
+            "tpot_ms": tpot_ms(per_token),
+            "ttft_ms": per_token[0] if per_token else float("nan"),
+            "e2e_ms": per_token[-1] if per_token else float("nan"),
+            "iterations": len(self.windows),
+        }
+        stats.update(acceptance_stats(self.windows))
+        for phase, spans in self._phases.items():
+            stats[f"{phase}_ms"] = sum(elapsed(a, b) for a, b in spans)
+        return stats
+
+
+def acceptance_stats(windows: list[tuple[int, int]]) -> dict:
+    """Acceptance rate = accepted / checked, where a rejected window checked n+1 drafts and a full one k."""
+    windows = [(k, n) for k, n in windows if k > 0]
+    accepted = sum(n for _, n in windows)
+    checked = sum(n + 1 if n < k else k for k, n in windows)
+    lengths = [n for _, n in windows]
+    return {
+        "acceptance_rate": accepted / checked if checked else float("nan"),
+        "mean_accepted_length": accepted / len(windows) if windows else float("nan"),
+        "accepted_length_histogram": dict(sorted(Counter(lengths).items())),
+        "draft_tokens": sum(k for k, _ in windows),
+        "accepted_tokens": accepted,
+    }

@@ -1,0 +1,108 @@
+"""The shared-instance hybrid-precision model: one HF model whose routed experts run in draft or target mode."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specter.models.hybrid_experts import DRAFT, TARGET, HybridExperts, is_hf_experts
+from specter.models.registry import ModelSpec
+
+
+@dataclass
+class HybridMoEModel:
+    """Draft and target are this one object in two modes.
+
+    Every non-expert tensor (embeddings, attention, norms, routers, shared experts, dense layers, lm_head)
+    and the committed KV cache serve both modes; only the routed experts differ: INT4 for the draft,
+    full precision for the target.
+    """
+
+    hf: nn.Module
+    spec: ModelSpec
+    tokenizer: Any
+    experts: list[HybridExperts]
+    quantizer: str = "rtn"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.get_input_embeddings().weight.dtype
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.experts)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts[0].num_experts
+
+    @property
+    def top_k(self) -> int:
+        return int(self.hf.config.num_experts_per_tok)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    @contextmanager
+    def mode(self, name: str) -> Iterator[None]:
+        """Run the enclosed forwards with the routed experts in `name` mode ("draft" or "target")."""
+        if name not in (DRAFT, TARGET):
+            raise ValueError(f"mode must be {DRAFT!r} or {TARGET!r}, got {name!r}")
+        previous = self.experts[0].mode
+        self._set_mode(name)
+        try:
+            yield
+        finally:
+            self._set_mode(previous)
+
+    def _set_mode(self, name: str) -> None:
+        for module in self.experts:
+            module.mode = name
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache, mode: str = TARGET) -> torch.Tensor:
+        """Logits [B, T, V] of `input_ids` [B, T] appended to `cache` (which it extends)."""
+        with self.mode(mode):
+            return self.hf(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+
+    def shared_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors both modes read: everything except the routed experts."""
+        return {n: p for n, p in self.hf.named_parameters() if not self._is_expert_tensor(n)}
+
+    def mode_tensors(self, mode: str) -> dict[str, torch.Tensor]:
+        """Every tensor a forward in `mode` reads: the shared ones plus that mode's routed experts."""
+        tensors = dict(self.shared_tensors())
+        for i, m in enumerate(self.experts):
+            if mode == DRAFT:
+                tensors.update({f"experts.{i}.draft.{n}": t for n, t in m.named_buffers() if n.startswith("draft")})
+            else:
+                tensors.update({f"experts.{i}.gate_up_proj": m.gate_up_proj, f"experts.{i}.down_proj": m.down_proj})
+        return tensors
+
+    @staticmethod
+    def _is_expert_tensor(name: str) -> bool:
+        return ".experts." in f".{name}" and (name.endswith("gate_up_proj") or name.endswith("down_proj"))
+
+
+def hybridize(hf_model: nn.Module, spec: ModelSpec, tokenizer: Any, quantizer: str = "rtn") -> HybridMoEModel:
+    """Swap every HF `*Experts` module of `hf_model` for a HybridExperts (in place) and wrap the result."""
+    targets = [(name, module) for name, module in hf_model.named_modules() if is_hf_experts(module)]
+    if not targets:
+        raise ValueError(f"{type(hf_model).__name__} has no transformers-5 *Experts modules to replace")
+    experts = []
+    for moe_layer, (name, module) in enumerate(targets):
+        parent_name, _, attr = name.rpartition(".")
+        hybrid = HybridExperts(module, moe_layer)
+        setattr(hf_model.get_submodule(parent_name), attr, hybrid)
+        experts.append(hybrid)
+    hf_model.eval()
+    return HybridMoEModel(hf_model, spec, tokenizer, experts, quantizer)

@@ -1,0 +1,100 @@
+"""Build a HybridMoEModel from a registered name (synthetic random weights) or a local HF checkpoint directory."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import transformers
+
+from specter.errors import SpecterError
+from specter.models.hybrid import HybridMoEModel, hybridize
+from specter.models.registry import REGISTRY, ModelSpec, get_spec, spec_for_model_type
+from specter.models.tokenizer import ByteTokenizer
+
+DOWNLOAD_HINT = "run `python initialization/download_models.py --manifest initialization/model-assets.json --output DIR`"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def hf_config(spec: ModelSpec) -> transformers.PretrainedConfig:
+    """The HF config object of a registered model (seeded synthetic builds use it as is)."""
+    config = transformers.AutoConfig.for_model(spec.model_type, **spec.hf_config)
+    config.num_experts_per_tok = spec.hf_config["num_experts_per_tok"]  # None by default in DeepseekV2Config
+    return config
+
+
+def build_synthetic(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """The registered architecture with seeded random weights, created directly on `device`."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(spec), dtype=dtype)
+    return model.eval()
+
+
+def checkpoint_dir(spec: ModelSpec) -> Path:
+    """Where download_models.py puts a registered model: $SPECTER_MODELS/<name> (default ./checkpoints/<name>)."""
+    return Path(os.environ.get("SPECTER_MODELS", "checkpoints")) / spec.name
+
+
+def _validate_checkpoint(path: Path) -> None:
+    if not path.exists():
+        raise SpecterError(f"checkpoint path {path} does not exist; {DOWNLOAD_HINT}, or use synthetic weights")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise SpecterError(f"{path} is not an HF checkpoint directory (no config.json); {DOWNLOAD_HINT}")
+
+
+def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype):
+    """(HF model, tokenizer, spec) from a local checkpoint directory."""
+    _validate_checkpoint(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    base = spec_for_model_type(config.model_type)
+    spec = dataclasses.replace(base, name=path.name, hf_config=config.to_dict())
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = ByteTokenizer(config.vocab_size)
+    return model.eval(), tokenizer, spec
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    synthetic: bool | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> HybridMoEModel:
+    """A shared-instance hybrid model.
+
+    name_or_path: a registered name (tiny, tiny-qwen, dsv2, ...) or a checkpoint directory.
+    synthetic: build seeded random weights from the registered config. None means: yes for the tiny
+      models (they have no checkpoint), no for full-size models (their checkpoint is loaded).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    name = str(name_or_path)
+    if name in REGISTRY or (synthetic and not Path(name).exists()):
+        spec = get_spec(name)
+        if synthetic is None:
+            synthetic = spec.is_tiny
+        if synthetic:
+            return hybridize(build_synthetic(spec, device, dtype, seed), spec, ByteTokenizer(spec.hf_config["vocab_size"]))
+        path = checkpoint_dir(spec)
+        if not path.exists():
+            raise SpecterError(
+                f"no checkpoint for {spec.name!r} at {path}: {DOWNLOAD_HINT} --only {spec.name} "
+                f"(or set SPECTER_MODELS), or use synthetic weights")
+    else:
+        path = Path(name)
+        if not path.exists() and os.sep not in name and "/" not in name:
+            get_spec(name)  # neither a known name nor a path: raises "unknown model"
+    model, tokenizer, spec = load_checkpoint(path, device, dtype)
+    return hybridize(model, spec, tokenizer)

@@ -1,0 +1,161 @@
+"""Model registry: the tiny synthetic models and the full-size models with their real configs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specter.errors import SpecterError
+
+# HF `model_type` of each supported architecture -> short architecture name used in Specter.
+ARCHITECTURES = {
+    "deepseek_v2": "dsv2",
+    "qwen2_moe": "qwen",
+    "phimoe": "phi",
+    "mixtral": "mixtral",
+}
+
+BYTE_VOCAB = 320  # byte-level tokenizer: 256 bytes + BOS/EOS/PAD, padded to a multiple of 64
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything Specter needs to know about one named model.
+
+    hf_config: keyword arguments of the HF config class (model_type selects the class).
+    mem_presets: resident FP16 experts per MoE layer for each named memory setting.
+    hf_repo: the official checkpoint on the Hugging Face Hub (None for tiny models).
+    """
+
+    name: str
+    model_type: str
+    hf_config: dict[str, Any]
+    default_k: int
+    mem_presets: dict[str, int]
+    hf_repo: str | None = None
+    description: str = ""
+    aliases: tuple[str, ...] = field(default=())
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.hf_repo is None
+
+    @property
+    def num_experts(self) -> int:
+        cfg = self.hf_config
+        return cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg["num_local_experts"]
+
+
+def _tiny(model_type: str, **extra: Any) -> dict[str, Any]:
+    """Small dims for CPU; hidden and expert sizes are multiples of the INT4 group size (128).
+
+    The init std is larger than HF's 0.02 so that the routed experts, and so the INT4 draft's error,
+    visibly move the logits: the draft then disagrees with the target now and then (acceptance < 1),
+    and greedy text does not collapse into one repeated token.
+    """
+    base = dict(initializer_range=0.1,
+        vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        num_experts_per_tok=2, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+        tie_word_embeddings=False,
+    )
+    base.update(extra)
+    return base
+
+
+_TINY_MEM = {"high": 4, "low": 2}
+
+_SPECS = [
+    ModelSpec(
+        "tiny-dsv2", "deepseek_v2",
+        _tiny("deepseek_v2", moe_intermediate_size=256, n_routed_experts=8, n_shared_experts=1,
+              first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+              qk_nope_head_dim=32, v_head_dim=32, num_key_value_heads=4, topk_method="greedy",
+              n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False),
+        default_k=4, mem_presets=_TINY_MEM, description="DeepSeek-V2 architecture, tiny random weights",
+        aliases=("tiny",),
+    ),
+    ModelSpec(
+        "tiny-qwen", "qwen2_moe",
+        _tiny("qwen2_moe", moe_intermediate_size=256, shared_expert_intermediate_size=256, num_experts=8,
+              decoder_sparse_step=1, norm_topk_prob=False, use_sliding_window=False),
+        default_k=4, mem_presets=_TINY_MEM, description="Qwen2-MoE architecture, tiny random weights",
+    ),
+    ModelSpec(
+        "tiny-phi", "phimoe",
+        _tiny("phimoe", num_local_experts=8, initializer_range=0.05, sliding_window=None, attention_bias=True, lm_head_bias=True,
+              rms_norm_eps=1e-5),
+        default_k=4, mem_presets=_TINY_MEM, description="PhiMoE architecture, tiny random weights",
+    ),
+    ModelSpec(
+        "tiny-mixtral", "mixtral",
+        _tiny("mixtral", num_local_experts=8, initializer_range=0.05, sliding_window=None),
+        default_k=4, mem_presets=_TINY_MEM, description="Mixtral architecture, tiny random weights",
+    ),
+    ModelSpec(
+        "dsv2", "deepseek_v2",
+        dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+             num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+             n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
+             q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+             topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+             norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+             bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False),
+        default_k=16, mem_presets={"high": 16, "low": 4}, hf_repo="deepseek-ai/DeepSeek-V2-Lite",
+        description="DeepSeek-V2-Lite (16B, 64 routed experts top-6)",
+    ),
+    ModelSpec(
+        "qwen", "qwen2_moe",
+        dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+             shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+             num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, decoder_sparse_step=1,
+             norm_topk_prob=False, max_position_embeddings=8192, rms_norm_eps=1e-6,
+             use_sliding_window=False, bos_token_id=151643, eos_token_id=151643, tie_word_embeddings=False),
+        default_k=8, mem_presets={"high": 15, "low": 8}, hf_repo="Qwen/Qwen1.5-MoE-A2.7B",
+        description="Qwen1.5-MoE-A2.7B (14B, 60 routed experts top-4)",
+    ),
+    ModelSpec(
+        "phi", "phimoe",
+        dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_hidden_layers=32,
+             num_attention_heads=32, num_key_value_heads=8, num_local_experts=16, num_experts_per_tok=2,
+             max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=None, attention_bias=True,
+             lm_head_bias=True, bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False),
+        default_k=16, mem_presets={"high": 2, "low": 1}, hf_repo="microsoft/Phi-3.5-MoE-instruct",
+        description="Phi-3.5-MoE (42B, 16 experts top-2; synthetic build uses default RoPE, not longrope)",
+    ),
+    ModelSpec(
+        "mixtral", "mixtral",
+        dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+             num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+             max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+        default_k=8, mem_presets={"high": 4, "low": 2}, hf_repo="mistralai/Mixtral-8x7B-v0.1",
+        description="Mixtral-8x7B (47B, 8 experts top-2)",
+    ),
+]
+
+REGISTRY: dict[str, ModelSpec] = {}
+for _spec in _SPECS:
+    REGISTRY[_spec.name] = _spec
+    for _alias in _spec.aliases:
+        REGISTRY[_alias] = _spec
+
+TINY_MODELS = tuple(s.name for s in _SPECS if s.is_tiny)
+FULL_MODELS = tuple(s.name for s in _SPECS if not s.is_tiny)
+
+
+def get_spec(name: str) -> ModelSpec:
+    """Look up a registered model by name or alias; unknown names are a one-line error."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY))
+        raise SpecterError(f"unknown model {name!r}; known models: {known} (or pass a checkpoint directory)") from None
+
+
+def spec_for_model_type(model_type: str) -> ModelSpec:
+    """The first registered full-size spec of an HF model_type (used for checkpoints loaded by path)."""
+    for spec in _SPECS:
+        if spec.model_type == model_type and not spec.is_tiny:
+            return spec
+    supported = ", ".join(sorted(ARCHITECTURES))
+    raise SpecterError(f"unsupported architecture {model_type!r}; Specter supports: {supported}")

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny synthetic models (float32, CPU) and their pristine HF twins."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import specter
+from specter.models.loading import build_synthetic
+from specter.models.registry import TINY_MODELS, get_spec
+
+torch.set_num_threads(2)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(name: str, seed: int = 0) -> specter.HybridMoEModel:
+    return specter.load_model(name, device="cpu", dtype=torch.float32, seed=seed)
+
+
+@functools.lru_cache(maxsize=None)
+def pristine_hf(name: str, seed: int = 0):
+    """The same seeded model without Specter's module swap: HF's own experts and generate()."""
+    return build_synthetic(get_spec(name), torch.device("cpu"), torch.float32, seed)
+
+
+def hf_greedy(name: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int = 0) -> list[int]:
+    model = pristine_hf(name, seed)
+    out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=get_spec(name).hf_config["pad_token_id"])
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+@pytest.fixture(params=TINY_MODELS)
+def tiny_name(request) -> str:
+    return request.param
+
+
+def prompt(text: str = "Natalia sold clips to 48 of her friends") -> torch.Tensor:
+    return torch.tensor([[256, *text.encode()]])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu skip cleanly where there is no CUDA device (CI, CPU machines)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

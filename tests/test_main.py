@@ -1,0 +1,88 @@
+"""The main job and its configs: every option composes; the CLI writes results and refuses to overwrite."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.settings import model_choice, results_dir, specter_config
+from experiments.systems import build_system, known_systems
+from tests.conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_with(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("model", options("model"))
+@pytest.mark.parametrize("mem", options("mem"))
+def test_every_model_and_mem_option_composes(model, mem):
+    cfg = compose_with(f"model={model}", f"mem={mem}")
+    choice = model_choice(cfg)
+    config = specter_config(cfg, choice.spec)
+    assert config.k == choice.spec.default_k
+    assert config.resident_experts_per_layer == choice.spec.mem_presets[mem]
+
+
+@pytest.mark.parametrize("system", known_systems())
+def test_every_system_option_instantiates(system):
+    cfg = compose_with()
+    model = tiny_model("tiny")
+    built = build_system(system, model, specter_config(cfg, model.spec))
+    assert built.name == system and built.available() == (True, "")
+
+
+def run_main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=cwd, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+
+
+def test_main_writes_tables_and_never_overwrites(tmp_path):
+    out = tmp_path / "run"
+    args = (f"results_dir={out}", "num_prompts=2", "max_new_tokens=12", "strict=true")
+    first = run_main(*args, cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    assert {p.name for p in out.iterdir()} == {"records.csv", "summary.csv", "run.json"}
+    records = pd.read_csv(out / "records.csv")
+    assert set(records.system) == {"specter", "target_only"} and len(records) == 4
+    assert (records[records.system == "specter"].tokens_match_target == "yes").all()
+    assert "tokens_identical" in first.stdout and "specter" in first.stdout
+    before = (out / "records.csv").read_bytes()
+    second = run_main(*args, cwd=ROOT)
+    assert second.returncode == 2
+    assert second.stderr.strip().count("\n") == 0 and "already exists" in second.stderr
+    assert (out / "records.csv").read_bytes() == before
+
+
+def test_default_results_dir_gets_a_new_suffix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_with()
+    spec = model_choice(cfg).spec
+    first = results_dir(cfg, spec)
+    assert first == Path("results/main/tiny-dsv2-high")
+    first.mkdir(parents=True)
+    assert results_dir(cfg, spec) == Path("results/main/tiny-dsv2-high.1")
+
+
+@pytest.mark.parametrize("args,message", [
+    (("model=nope",), "unknown model 'nope'"),
+    (("k=0",), "k must be an integer >= 1"),
+    (("model=dsv2",), "no checkpoint for 'dsv2'"),
+    (("systems=[specter,nope]",), "unknown system 'nope'"),
+])
+def test_bad_input_is_one_line_and_non_zero(tmp_path, args, message):
+    result = run_main(*args, f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error:") and message in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "r").exists()

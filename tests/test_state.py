@@ -1,0 +1,58 @@
+"""State manager: after commits and rollbacks the KV cache equals a fresh forward of the committed sequence."""
+import torch
+from transformers import DynamicCache
+
+import specter
+from specter.metrics import DecodeMetrics
+from specter.spec.state import StateManager, crop_cache
+from tests.conftest import prompt, tiny_model
+
+
+def cache_tensors(cache: DynamicCache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def fresh_cache(model, tokens: list[int]) -> DynamicCache:
+    cache = DynamicCache(config=model.hf.config)
+    model.forward(torch.tensor([tokens]), cache, "target")
+    return cache
+
+
+def test_kv_after_speculation_matches_fresh_forward(tiny_name):
+    model = tiny_model(tiny_name)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=5))
+    state = StateManager(model, prompt())
+    state.commit([int(state.prefill().argmax())], kv_keep=state.kv_length)
+    metrics = DecodeMetrics(model.device)
+    rejected_once = False
+    for _ in range(6):
+        tokens, accepted = engine.speculate(state, 5, metrics)
+        rejected_once |= accepted < 5
+        state.commit(tokens, kv_keep=state.kv_length + 1 + accepted)
+        assert state.cache.get_seq_length() == len(state.tokens) - 1  # all but the one uncached token
+        for got, want in zip(cache_tensors(state.cache), cache_tensors(fresh_cache(model, state.tokens[:-1]))):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert rejected_once, "the test must cover a rollback of rejected target KV"
+    assert state.uncached().tolist() == [state.tokens[-1:]]
+
+
+def test_draft_scratch_is_discarded():
+    model = tiny_model("tiny")
+    state = StateManager(model, prompt())
+    state.prefill()
+    before = [t.clone() for t in cache_tensors(state.cache)]
+    with state.draft_scratch():
+        model.forward(torch.tensor([[1, 2, 3]]), state.cache, "draft")
+        assert state.cache.get_seq_length() == state.kv_length + 3
+    assert state.cache.get_seq_length() == state.kv_length
+    for got, want in zip(cache_tensors(state.cache), before):
+        assert torch.equal(got, want)
+
+
+def test_crop_to_current_length_is_a_no_op():
+    model = tiny_model("tiny-qwen")
+    cache = fresh_cache(model, [256, 1, 2, 3])
+    crop_cache(cache, 4)
+    assert cache.get_seq_length() == 4
+    crop_cache(cache, 2)
+    assert cache.get_seq_length() == 2
