@@ -1,4 +1,5 @@
 """The main job and its configs: every option composes; the CLI writes results and refuses to overwrite."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,12 +45,13 @@ def test_every_system_option_instantiates(system):
 
 def run_main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=cwd, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+                          text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+                          timeout=300)
 
 
 def test_main_writes_tables_and_never_overwrites(tmp_path):
     out = tmp_path / "run"
-    args = (f"results_dir={out}", "num_prompts=2", "max_new_tokens=12", "strict=true")
+    args = (f"results_dir={out}", "num_prompts=2", "max_new_tokens=12", "strict=true", "device=cpu")
     first = run_main(*args, cwd=ROOT)
     assert first.returncode == 0, first.stderr
     assert {p.name for p in out.iterdir()} == {"records.csv", "summary.csv", "run.json"}
