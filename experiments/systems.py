@@ -33,4 +33,4 @@ def make_specter(model: HybridMoEModel, specter_config: SpecterConfig) -> Specte
 
 
 def make_target_only(model: HybridMoEModel, specter_config: SpecterConfig) -> TargetOnly:
-    return TargetOnly(model)
+    return TargetOnly(model, specter_config.resident_experts_per_layer)

@@ -15,6 +15,11 @@ class SpecterConfig:
     temperature: 0 means greedy; > 0 samples with standard speculative (rejection) sampling.
     top_p: nucleus filter applied to both draft and target distributions when sampling.
     seed: seed of the sampling generator.
+    prefetch: draft-time lookahead prefetch of FP experts (ablation: off = on-demand loading only).
+    expert_wise: expert-wise verification (ablation: off = token-wise, chronological GEMVs).
+    eviction: expert-cache victim policy, "lru" (the paper's) or "lookahead" (never evicts an expert
+      the current draft window predicts while another slot will do).
+    initial_chunk: draft tokens of the Cold Start chunk (observed before the first prefetch).
     """
 
     k: int = 4
@@ -22,6 +27,10 @@ class SpecterConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    prefetch: bool = True
+    expert_wise: bool = True
+    eviction: str = "lru"
+    initial_chunk: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:
@@ -31,6 +40,10 @@ class SpecterConfig:
             raise SpecterError(f"resident_experts_per_layer must be an integer >= 1 or None, got {slots!r}")
         if self.temperature < 0:
             raise SpecterError(f"temperature must be >= 0, got {self.temperature}")
+        if self.eviction not in ("lru", "lookahead"):
+            raise SpecterError(f"eviction must be 'lru' or 'lookahead', got {self.eviction!r}")
+        if self.initial_chunk < 1:
+            raise SpecterError(f"initial_chunk must be >= 1, got {self.initial_chunk}")
         if not 0.0 < self.top_p <= 1.0:
             raise SpecterError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -1,6 +1,8 @@
 """SpecterEngine.generate: the speculative decode loop (draft K with INT4 experts, verify once, commit)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from specter.config import SpecterConfig
@@ -8,6 +10,10 @@ from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT, TARGET
+from specter.offload.runtime import offload_experts
+from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
+from specter.prefetch.planner import NoPrefetch, PrefetchPlanner
+from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept, logits_to_probs, rejection_accept, sample
 from specter.spec.state import StateManager
 
@@ -29,8 +35,9 @@ class SpecterEngine:
     """Speculative decoding on one shared-instance hybrid model.
 
     Each iteration: the draft (INT4 experts) proposes k = min(K, remaining - 1) tokens from the
-    committed prefix, the target (full-precision experts) verifies them in one forward over k + 1
-    positions, and the state manager commits the accepted prefix plus the correction or bonus token.
+    committed prefix while its routing is counted and turned into prefetches of FP experts; the
+    target verifies them in one forward over k + 1 positions (expert-wise, cache hits first); the
+    state manager commits the accepted prefix plus the correction or bonus token.
     Greedy output equals the target's greedy output; sampling preserves the target distribution.
     """
 
@@ -41,6 +48,13 @@ class SpecterEngine:
         self.config = config or SpecterConfig(k=model.spec.default_k)
         self.config.check_against(model.num_experts)
         self.generator: torch.Generator | None = None
+        self.runtime = self._attach_offload()
+        self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
+        if self.runtime is not None and self.config.prefetch:
+            self.planner = PrefetchPlanner(PatternAnalyzer(self.elb), self.runtime.cache,
+                                           initial_chunk=self.config.initial_chunk)
+        else:
+            self.planner = NoPrefetch()
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -50,20 +64,23 @@ class SpecterEngine:
                  eos_token_id: int | None = None) -> GenerationResult:
         """New tokens for a [1, T] prompt; stops early only at `eos_token_id` if one is given."""
         input_ids = check_prompt(input_ids, max_new_tokens)
-        self._reset_generator()
-        metrics = DecodeMetrics(self.model.device)
+        self._reset()
+        metrics, quality = DecodeMetrics(self.model.device), PrefetchQuality()
         state = StateManager(self.model, input_ids)
         first = self._choose(state.prefill())
         state.commit([first], kv_keep=state.kv_length)
         metrics.commit(1)
+        self._take_target_routing()  # the prefill's routing is not a verify window
         while len(state.generated) < max_new_tokens and not _ended(state.generated, eos_token_id):
             k = min(self.config.k, max_new_tokens - len(state.generated) - 1)
             new_tokens, accepted = self.speculate(state, k, metrics)
             state.commit(new_tokens, kv_keep=state.kv_length + 1 + accepted)
             metrics.commit(len(new_tokens))
             metrics.window(k, accepted)
+            if self.planner.traces:
+                quality.add(self.planner.traces[-1].planned, self._take_target_routing())
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)
-        return GenerationResult(tokens, metrics.summary())
+        return GenerationResult(tokens, self._stats(metrics, quality))
 
     def speculate(self, state: StateManager, k: int, metrics: DecodeMetrics) -> tuple[list[int], int]:
         """One iteration: draft k tokens, verify k + 1 positions; returns (tokens to commit, n accepted)."""
@@ -82,23 +99,35 @@ class SpecterEngine:
         return new_tokens, accepted
 
     def draft(self, state: StateManager, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k draft tokens [k] (and their distributions [k, V] when sampling); tokens stay on the device."""
+        """k draft tokens [k] (and their distributions [k, V] when sampling); tokens stay on the device.
+
+        The draft router's choices go into the lookahead counters; the planner turns them into
+        prefetches at chunk boundaries.
+        """
         tokens, probs = [], []
         x = state.uncached()
-        with state.draft_scratch():
-            for _ in range(k):
+        observing = self.model.observe_draft_routing(self.elb.observe) if k else nullcontext()
+        with state.draft_scratch(), observing:
+            self.planner.begin_window(k)
+            for i in range(k):
                 logits = self.model.forward(x, state.cache, DRAFT)[0, -1]  # [V]
-                if self.config.greedy:
-                    token = logits.argmax(dim=-1, keepdim=True)  # [1]
-                else:
-                    p = logits_to_probs(logits, self.config.temperature, self.config.top_p)
-                    token = sample(p, self.generator).view(1)
-                    probs.append(p)
+                token, p = self._draft_token(logits)
                 tokens.append(token)
+                probs.append(p)
                 x = token.view(1, 1)
+                self.planner.after_draft_token(i + 1)
+            if k:
+                self.planner.end_window()
         empty = torch.empty(0, dtype=torch.long, device=self.model.device)
         drafted = torch.cat(tokens) if tokens else empty
-        return drafted, (torch.stack(probs) if probs else None)
+        return drafted, (torch.stack(probs) if probs and probs[0] is not None else None)
+
+    def _draft_token(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's token [1] from logits [V] (argmax, or a sample with its distribution)."""
+        if self.config.greedy:
+            return logits.argmax(dim=-1, keepdim=True), None
+        p = logits_to_probs(logits, self.config.temperature, self.config.top_p)
+        return sample(p, self.generator).view(1), p
 
     def _choose(self, logits: torch.Tensor) -> int:
         """The target's token from one position's logits [V] (argmax or a sample)."""
@@ -106,10 +135,36 @@ class SpecterEngine:
             return int(logits.argmax())
         return int(sample(logits_to_probs(logits, self.config.temperature, self.config.top_p), self.generator))
 
-    def _reset_generator(self) -> None:
+    def _attach_offload(self):
+        slots = self.config.resident_experts_per_layer
+        if slots is None:
+            return None
+        return offload_experts(self.model, slots, self.config.eviction, self.config.expert_wise)
+
+    def _reset(self) -> None:
+        """Same starting state for every request: cache emptied, counters cleared, generator seeded."""
+        if self.runtime is not None:
+            self.runtime = self._attach_offload()  # another system may have switched the model's cache
+            if isinstance(self.planner, PrefetchPlanner):
+                self.planner.cache = self.runtime.cache
+            self.runtime.reset()
+        self.planner.reset()
+        self.elb.clear()
         if not self.config.greedy:
             self.generator = torch.Generator(device=self.model.device)
             self.generator.manual_seed(self.config.seed)
+
+    def _take_target_routing(self) -> dict:
+        return self.runtime.residency.take_demand() if self.runtime is not None else {}
+
+    def _stats(self, metrics: DecodeMetrics, quality: PrefetchQuality) -> dict:
+        stats = metrics.summary()
+        if self.runtime is not None:
+            stats.update(self.runtime.stats())
+            stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(stats["generated_tokens"], 1)
+            stats.update(quality.stats())
+            stats["prefetch_trace"] = [t.as_dict() for t in self.planner.traces]
+        return stats
 
 
 def _ended(tokens: list[int], eos: int | None) -> bool:

@@ -52,15 +52,23 @@ def expert_wise_moe(
     act: Callable,
     groups: ExpertGroups | None = None,
 ) -> torch.Tensor:
-    """Routed-expert output [T, H]: tokens gathered per expert, one GEMM per expert, weighted scatter-add."""
+    """Routed-expert output [T, H]: tokens gathered per expert, one GEMM per expert, weighted sum over k.
+
+    Each expert's output fills its (token, slot) rows; the rows are combined with the routing weights
+    at the end, so the result is the same whatever order the experts run in.
+    """
     groups = groups or group_by_expert(top_k_index, num_experts)
-    flat_weights = top_k_weights.reshape(-1)  # [T*k]
-    out = torch.zeros_like(hidden)
+    rows = hidden.new_zeros(top_k_index.numel(), hidden.shape[-1])  # [T*k, H]
     for e, tok, widx in zip(groups.experts, groups.token_idx, groups.weight_idx):
         gate_up, down = weights_of(e)
-        y = expert_mlp(hidden[tok], gate_up, down, act)  # [n_e, H]
-        out.index_add_(0, tok, (y * flat_weights[widx, None]).to(out.dtype))
-    return out
+        rows[widx] = expert_mlp(hidden[tok], gate_up, down, act).to(rows.dtype)  # [n_e, H]
+    return combine_rows(rows, top_k_weights, hidden.dtype)
+
+
+def combine_rows(rows: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weighted sum over the k slots: rows [T*k, H], weights [T, k] -> [T, H]."""
+    weighted = rows.view(*top_k_weights.shape, -1) * top_k_weights.unsqueeze(-1)  # [T, k, H]
+    return weighted.sum(dim=1).to(dtype)
 
 
 def token_wise_moe(

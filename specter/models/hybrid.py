@@ -27,6 +27,18 @@ class HybridMoEModel:
     tokenizer: Any
     experts: list[HybridExperts]
     quantizer: str = "rtn"
+    offload: Any = None  # the OffloadRuntime once the FP experts live in host memory
+
+    @contextmanager
+    def observe_draft_routing(self, observer) -> Iterator[None]:
+        """Report every draft-mode top-k routing to `observer(moe_layer, top_k_index)` inside the block."""
+        for module in self.experts:
+            module.routing_observer = observer
+        try:
+            yield
+        finally:
+            for module in self.experts:
+                module.routing_observer = None
 
     @property
     def device(self) -> torch.device:
@@ -84,6 +96,8 @@ class HybridMoEModel:
         for i, m in enumerate(self.experts):
             if mode == DRAFT:
                 tensors.update({f"experts.{i}.draft.{n}": t for n, t in m.named_buffers() if n.startswith("draft")})
+            elif self.offload is not None:
+                tensors[f"experts.{i}.slots"] = self.offload.cache.buffers[i]
             else:
                 tensors.update({f"experts.{i}.gate_up_proj": m.gate_up_proj, f"experts.{i}.down_proj": m.down_proj})
         return tensors

@@ -32,7 +32,8 @@ class HybridExperts(nn.Module):
     def __init__(self, hf_experts: nn.Module, moe_layer: int, draft: tuple[Int4Linear, Int4Linear] | None = None):
         super().__init__()
         self.moe_layer = moe_layer
-        self.num_experts = hf_experts.gate_up_proj.shape[0]
+        self.num_experts, two_i, self.hidden_dim = hf_experts.gate_up_proj.shape
+        self.intermediate_dim = two_i // 2
         self.act_fn = hf_experts.act_fn
         self.gate_up_proj = hf_experts.gate_up_proj  # [E, 2I, H], the target's tensor itself (no copy)
         self.down_proj = hf_experts.down_proj  # [E, H, I]
@@ -72,5 +73,5 @@ class HybridExperts(nn.Module):
                                self.act_fn)
 
     def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
-        return f"moe_layer={self.moe_layer}, experts={e}, hidden={h}, intermediate={two_i // 2}, mode={self.mode}"
+        return (f"moe_layer={self.moe_layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, mode={self.mode}")

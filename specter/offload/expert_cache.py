@@ -1,0 +1,170 @@
+"""Expert cache: a fixed number of FP16 slots per MoE layer on the device, LRU, protection, event-guarded reuse."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from specter.offload.host_store import HostExpertStore
+from specter.offload.streams import DeviceStreams
+
+PREFETCH, DEMAND = "prefetch", "demand"
+
+
+@dataclass
+class LayerSlots:
+    """Residency state of one layer's slots."""
+
+    size: int
+    expert_of: list = field(default_factory=list)  # slot -> expert id or None
+    slot_of: dict = field(default_factory=dict)  # expert id -> slot
+    lru: OrderedDict = field(default_factory=OrderedDict)  # slots, least recently used first
+    protected: list = field(default_factory=list)  # slot -> number of queued/running users
+    ready: list = field(default_factory=list)  # slot -> copy-finished event
+    last_use: list = field(default_factory=list)  # slot -> event after the last kernel reading it
+    loaded_by: list = field(default_factory=list)  # slot -> PREFETCH / DEMAND / None
+
+    def __post_init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        n = self.size
+        self.expert_of, self.slot_of = [None] * n, {}
+        self.lru = OrderedDict((s, None) for s in range(n))
+        self.protected, self.ready, self.last_use, self.loaded_by = [0] * n, [None] * n, [None] * n, [None] * n
+
+    def unprotected_lru(self) -> list[int]:
+        return [s for s in self.lru if not self.protected[s]]
+
+
+class LRUPolicy:
+    """The paper's policy: evict the least recently used unprotected slot (empty slots first)."""
+
+    name = "lru"
+
+    def victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
+        candidates = slots.unprotected_lru()
+        empty = [s for s in candidates if slots.expert_of[s] is None]
+        return (empty or candidates or [None])[0]
+
+
+class LookaheadPolicy(LRUPolicy):
+    """LRU, but never evicts an expert the current window's draft routing predicts while another slot will do."""
+
+    name = "lookahead"
+
+    def victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
+        keep = predicted.get(layer, ())
+        candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
+        empty = [s for s in candidates if slots.expert_of[s] is None]
+        return (empty or candidates or [super().victim(layer, slots, predicted)])[0]
+
+
+POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy}
+
+
+class NoFreeSlot(RuntimeError):
+    """Every slot of the layer is protected: compute queued work first, then load."""
+
+
+class ExpertCache:
+    """Exactly `slots_per_layer` FP slots per MoE layer, allocated once on the device.
+
+    `acquire` makes an expert resident (loading it on a miss) and protects its slot; `release`
+    records the last-use event and unprotects it. A slot is overwritten only after its last-use
+    event (the copy stream waits for it), so no kernel ever reads a slot being refilled.
+    """
+
+    def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
+                 streams: DeviceStreams, policy: str = "lru") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
+        self.policy = POLICIES[policy]()
+        self.buffers = [torch.empty(slots_per_layer, store.numel, dtype=store.dtype, device=device)
+                        for _ in range(store.num_layers)]
+        self.layers = [LayerSlots(slots_per_layer) for _ in range(store.num_layers)]
+        self.predicted: dict[int, set] = {}  # layer -> experts the current draft window predicts
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty every slot (the same initial state before each input) and zero the counters."""
+        for slots in self.layers:
+            slots.clear()
+        self.predicted = {}
+        self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "prefetch_loads": 0, "evictions": 0}
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        return self.layers[layer].slot_of.get(expert)
+
+    def resident_experts(self, layer: int) -> set:
+        return set(self.layers[layer].slot_of)
+
+    def has_free_slot(self, layer: int) -> bool:
+        return self.policy.victim(layer, self.layers[layer], self.predicted) is not None
+
+    def acquire(self, layer: int, expert: int) -> int:
+        """Slot holding `expert` (loaded on a miss), protected until `release`; counts a hit or a miss."""
+        slots = self.layers[layer]
+        slot = slots.slot_of.get(expert)
+        if slot is None:
+            slot = self._load(layer, expert, DEMAND)
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+            if slots.loaded_by[slot] == PREFETCH:
+                self.counters["hits_prefetched"] += 1
+                slots.loaded_by[slot] = DEMAND  # counted once
+        slots.protected[slot] += 1
+        slots.lru.move_to_end(slot)
+        return slot
+
+    def prefetch(self, layer: int, expert: int) -> bool:
+        """Start loading `expert` unless resident; False if every slot is protected."""
+        slots = self.layers[layer]
+        if expert in slots.slot_of:
+            return True
+        if self.policy.victim(layer, slots, self.predicted) is None:
+            return False
+        slot = self._load(layer, expert, PREFETCH)
+        slots.lru.move_to_end(slot)
+        self.counters["prefetch_loads"] += 1
+        return True
+
+    def touch(self, layer: int, expert: int) -> None:
+        """Mark a resident expert most recently used (no-op if not resident)."""
+        slot = self.layers[layer].slot_of.get(expert)
+        if slot is not None:
+            self.layers[layer].lru.move_to_end(slot)
+
+    def release(self, layer: int, slot: int) -> None:
+        """The kernels reading `slot` are enqueued: remember when they end, unprotect the slot."""
+        slots = self.layers[layer]
+        slots.last_use[slot] = self.streams.record()
+        slots.protected[slot] -= 1
+
+    def ready_event(self, layer: int, slot: int):
+        return self.layers[layer].ready[slot]
+
+    def weights(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) views of a slot."""
+        return self.store.split(self.buffers[layer][slot])
+
+    def _load(self, layer: int, expert: int, reason: str) -> int:
+        slots = self.layers[layer]
+        slot = self.policy.victim(layer, slots, self.predicted)
+        if slot is None:
+            raise NoFreeSlot(f"layer {layer}: all {slots.size} slots are protected")
+        old = slots.expert_of[slot]
+        if old is not None:
+            del slots.slot_of[old]
+            self.counters["evictions"] += 1
+        slots.expert_of[slot], slots.slot_of[expert], slots.loaded_by[slot] = expert, slot, reason
+        slots.ready[slot] = self.streams.copy(self.buffers[layer][slot], self.store.expert(layer, expert),
+                                              after=slots.last_use[slot], demand=reason == DEMAND)
+        return slot

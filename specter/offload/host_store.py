@@ -1,0 +1,52 @@
+"""Host store: the target's full-precision routed experts in (pinned) host memory, one contiguous buffer per expert."""
+from __future__ import annotations
+
+import torch
+
+from specter.offload.streams import pin
+
+
+class HostExpertStore:
+    """Per MoE layer one [E, 3*I*H] host tensor; row e holds expert e's gate_up [2I, H] then down [H, I].
+
+    One expert is therefore one contiguous copy. Pinned when the compute device is a GPU.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int,
+                 dtype: torch.dtype, compute_device: torch.device) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.hidden, self.intermediate, self.dtype = hidden, intermediate, dtype
+        self.numel = 3 * intermediate * hidden
+        self.buffers = [pin(torch.empty(num_experts, self.numel, dtype=dtype), compute_device)
+                        for _ in range(num_layers)]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.expert_bytes * self.num_layers * self.num_experts
+
+    def put_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy a layer's experts in: gate_up [E, 2I, H], down [E, H, I] (any device)."""
+        rows = self.buffers[layer]
+        split = 2 * self.intermediate * self.hidden
+        rows[:, :split].copy_(gate_up.reshape(self.num_experts, split))
+        rows[:, split:].copy_(down.reshape(self.num_experts, -1))
+
+    def expert(self, layer: int, expert: int) -> torch.Tensor:
+        """Expert's flat buffer [3*I*H] (a view into the store)."""
+        return self.buffers[layer][expert]
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (gate_up [2I, H], down [H, I]) of one flat expert buffer (host row or cache slot)."""
+        split = 2 * self.intermediate * self.hidden
+        return flat[:split].view(2 * self.intermediate, self.hidden), flat[split:].view(self.hidden, self.intermediate)
+
+    def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (gate_up [E, 2I, H], down [E, H, I]) of a whole layer."""
+        split = 2 * self.intermediate * self.hidden
+        rows = self.buffers[layer]
+        return (rows[:, :split].view(self.num_experts, 2 * self.intermediate, self.hidden),
+                rows[:, split:].view(self.num_experts, self.hidden, self.intermediate))

@@ -1,0 +1,88 @@
+"""Attach the offload runtime to a hybrid model: FP experts to the host store, a slot cache, the residency manager."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import mean
+
+import torch
+
+from specter.errors import SpecterError
+from specter.offload.expert_cache import ExpertCache
+from specter.offload.host_store import HostExpertStore
+from specter.offload.streams import DeviceStreams
+from specter.verify.residency import ResidencyManager
+
+
+@dataclass
+class OffloadRuntime:
+    """Everything that serves the target's routed experts from host memory through a fixed slot cache."""
+
+    store: HostExpertStore
+    streams: DeviceStreams
+    cache: ExpertCache
+    residency: ResidencyManager
+
+    def reset(self) -> None:
+        """Same initial state before each input: empty cache, zeroed counters."""
+        self.streams.synchronize()
+        self.cache.reset()
+        self.residency.reset()
+        self.streams.reset_stats()
+
+    def stats(self) -> dict:
+        counters = dict(self.cache.counters)
+        lookups = counters["hits"] + counters["misses"]
+        sets = self.residency.working_sets
+        return {
+            **counters,
+            "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
+            **self.streams.stats(),
+            "working_set_mean": mean(sets) if sets else float("nan"),
+            "resident_experts_per_layer": self.cache.slots_per_layer,
+            "eviction_policy": self.cache.policy.name,
+        }
+
+
+def move_experts_to_store(model) -> HostExpertStore:
+    """Copy every layer's FP experts into a new host store and drop them from the device, layer by layer."""
+    first = model.experts[0]
+    e, two_i, h = first.gate_up_proj.shape
+    store = HostExpertStore(model.num_moe_layers, e, h, two_i // 2, first.gate_up_proj.dtype, model.device)
+    for layer, module in enumerate(model.experts):
+        store.put_layer(layer, module.gate_up_proj.detach(), module.down_proj.detach())
+        del module.gate_up_proj, module.down_proj
+    return store
+
+
+def offload_experts(model, slots: int, policy: str = "lru", expert_wise: bool = True) -> OffloadRuntime:
+    """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
+
+    The first call moves the FP experts into the host store (one way). A later call with another
+    slot count or policy builds a new cache over the same store.
+    """
+    if not 1 <= slots <= model.num_experts:
+        raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
+    runtime = model.offload
+    if runtime is not None and runtime.cache.slots_per_layer == slots and runtime.cache.policy.name == policy:
+        runtime.residency.expert_wise = expert_wise
+        return runtime
+    if runtime is None:
+        store, streams = move_experts_to_store(model), DeviceStreams(model.device)
+    else:
+        store, streams = runtime.store, runtime.streams
+        runtime.cache.buffers.clear()  # free the old slots before allocating the new ones
+    cache = ExpertCache(store, slots, model.device, streams, policy)
+    runtime = OffloadRuntime(store, streams, cache, ResidencyManager(cache, expert_wise))
+    for module in model.experts:
+        module.target_executor = runtime.residency
+    model.offload = runtime
+    return runtime
+
+
+def is_offloaded(model) -> bool:
+    return getattr(model, "offload", None) is not None
+
+
+def release_device_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,106 @@
+"""Streams and events of the offload runtime: a compute stream, a dedicated H2D copy stream, readiness events."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class DeviceStreams:
+    """All stream/event handling of expert I/O lives here.
+
+    On CUDA: copies go to a dedicated copy stream (pinned source, non_blocking), each copy first waits
+    for the destination slot's last-use event and records a ready event; compute waits on ready events
+    with `wait_event` (no host synchronisation). On CPU everything is synchronous and events are None.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
+        self._copies: list[tuple] = []  # (start, end, bytes) per copy
+
+    def record(self):
+        """An event on the compute stream marking work enqueued so far (None on CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, demand: bool = False):
+        """dst <- src on the copy stream once `after` (the slot's last use) has passed; returns the ready event.
+
+        On CPU the copy is synchronous; a `demand` copy (compute is waiting for it) counts as a stall.
+        """
+        nbytes = src.numel() * src.element_size()
+        if not self.cuda:
+            start = time.perf_counter()
+            dst.copy_(src)
+            span = (start, time.perf_counter())
+            self._copies.append((*span, nbytes))
+            if demand:
+                self._stalls.append(span)
+            return None
+        start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            if after is not None:
+                self.copy_stream.wait_event(after)
+            start.record(self.copy_stream)
+            dst.copy_(src, non_blocking=True)
+            ready.record(self.copy_stream)
+        self._copies.append((start, ready, nbytes))
+        return ready
+
+    def wait(self, ready) -> None:
+        """Make the compute stream wait for a copy (no host sync); the stall is timed with two events."""
+        if ready is None or ready.query():
+            return
+        before = self.record()
+        torch.cuda.current_stream().wait_event(ready)
+        self._stalls.append((before, self.record()))
+
+    @staticmethod
+    def is_ready(ready) -> bool:
+        """Non-blocking: has this copy finished (always True on CPU)?"""
+        return ready is None or ready.query()
+
+    def synchronize(self) -> None:
+        """Host waits for compute and copies (only between requests, never on the decode path)."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+            self.copy_stream.synchronize()
+
+    def reset_stats(self) -> None:
+        self._stalls, self._copies = [], []
+
+    def stats(self) -> dict:
+        """H2D bytes, copy busy time, achieved GB/s and compute stall time (the host waits here, once)."""
+        self.synchronize()
+        copy_ms = sum(_elapsed_ms(a, b) for a, b, _ in self._copies)
+        nbytes = sum(n for _, _, n in self._copies)
+        return {
+            "h2d_bytes": nbytes,
+            "h2d_copies": len(self._copies),
+            "h2d_busy_ms": copy_ms,
+            "h2d_gbps": nbytes / copy_ms / 1e6 if copy_ms > 0 else float("nan"),
+            "wait_ms": sum(_elapsed_ms(a, b) for a, b in self._stalls),
+        }
+
+    def measured_bandwidth(self) -> float | None:
+        """Bytes per ms over the copies that have finished (non-blocking), or None if none has."""
+        done = [(a, b, n) for a, b, n in self._copies[-64:] if self.is_ready(b if self.cuda else None)]
+        ms = sum(_elapsed_ms(a, b) for a, b, _ in done)
+        return sum(n for _, _, n in done) / ms if ms > 0 else None
+
+
+def _elapsed_ms(start, end) -> float:
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    return start.elapsed_time(end)
+
+
+def pin(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page-locked host memory when the compute device is a GPU (async H2D needs it)."""
+    return tensor.pin_memory() if torch.device(device).type == "cuda" else tensor

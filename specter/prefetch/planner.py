@@ -1,0 +1,145 @@
+"""Layer-aware prefetch planner: chunked draft-time prefetch (Cold Start, Prefetch Overlap, Final Cleanup)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from specter.offload.expert_cache import ExpertCache
+from specter.prefetch.lookahead import PatternAnalyzer
+
+COLD_START, PREFETCH_OVERLAP, FINAL_CLEANUP = "cold_start", "prefetch_overlap", "final_cleanup"
+
+
+@dataclass
+class CostModel:
+    """Running averages (exponential, weight `alpha` on the newest) of draft ms/token and H2D bytes/ms."""
+
+    draft_ms_per_token: float = 5.0
+    h2d_bytes_per_ms: float = 25e6  # 25 GB/s until measured
+    alpha: float = 0.5
+    frozen: bool = False  # tests: keep the given numbers
+
+    def observe_draft(self, ms: float, tokens: int) -> None:
+        if tokens > 0 and ms > 0 and not self.frozen:
+            self.draft_ms_per_token += self.alpha * (ms / tokens - self.draft_ms_per_token)
+
+    def observe_bandwidth(self, bytes_per_ms: float | None) -> None:
+        if bytes_per_ms and not self.frozen:
+            self.h2d_bytes_per_ms += self.alpha * (bytes_per_ms - self.h2d_bytes_per_ms)
+
+    def chunk_tokens(self, batch_bytes: int) -> int:
+        """Draft tokens whose compute ~ the H2D time of a batch of `batch_bytes` (at least 1)."""
+        transfer_ms = batch_bytes / self.h2d_bytes_per_ms
+        return max(1, math.ceil(transfer_ms / self.draft_ms_per_token))
+
+
+@dataclass
+class WindowTrace:
+    """What the planner did in one draft window (for inspection and stats)."""
+
+    k: int
+    boundaries: list[int] = field(default_factory=list)  # drafted-token counts where it planned
+    phases: list[str] = field(default_factory=list)  # phase entered at each boundary
+    batch_sizes: list[int] = field(default_factory=list)  # experts issued at each boundary
+    planned: dict = field(default_factory=dict)  # layer -> experts planned in this window
+
+    def as_dict(self) -> dict:
+        return {"k": self.k, "boundaries": self.boundaries, "phases": self.phases, "batches": self.batch_sizes}
+
+
+class PrefetchPlanner:
+    """Turns the draft's routing into H2D batches that overlap with the remaining draft compute.
+
+    Cold Start: the first chunk (`initial_chunk` tokens) only observes. At each boundary the analyzer's
+    top-M plan (M = slots per layer) minus the resident experts is issued as one batch on the copy
+    stream, and the next boundary is set so the next chunk's draft time ~ that batch's transfer time
+    (Prefetch Overlap; a chunk is never shorter than the initial one, which bounds the host syncs).
+    Once every slot holds a planned expert, Final Cleanup: no more planning, the
+    counters are cleared. If drafting ends first, a last plan is issued at the end of the window, so
+    its copies overlap with the start of verification (which computes cache hits first).
+    """
+
+    def __init__(self, analyzer: PatternAnalyzer, cache: ExpertCache, cost: CostModel | None = None,
+                 initial_chunk: int = 2, clock=time.perf_counter) -> None:
+        self.analyzer, self.cache, self.cost = analyzer, cache, cost or CostModel()
+        self.initial_chunk, self.clock = initial_chunk, clock
+        self.traces: list[WindowTrace] = []
+        self.trace = WindowTrace(0)
+
+    def begin_window(self, k: int) -> None:
+        self.trace = WindowTrace(k)
+        self.phase, self.next_boundary, self.last_boundary = COLD_START, self.initial_chunk, 0
+        self.last_time = self.clock()
+
+    def after_draft_token(self, drafted: int) -> None:
+        """Called after each draft step with the number of tokens drafted so far in this window."""
+        if self.phase != FINAL_CLEANUP and drafted == self.next_boundary:
+            self._checkpoint(drafted)
+
+    def end_window(self) -> WindowTrace:
+        """Last plan if drafting ended before the cache filled; clear the counters; return the trace."""
+        if self.phase != FINAL_CLEANUP and self.trace.k > self.last_boundary:
+            self._checkpoint(self.trace.k, last=True)
+        self.analyzer.elb.clear()
+        self.cache.predicted = {}
+        self.traces.append(self.trace)
+        return self.trace
+
+    def _checkpoint(self, drafted: int, last: bool = False) -> None:
+        ranking = self.analyzer.ranking()  # one D2H: the host has caught up with the draft here
+        plan = {layer: ranked[: self.cache.slots_per_layer] for layer, ranked in ranking.items()}
+        now = self.clock()
+        self.cost.observe_draft((now - self.last_time) * 1e3, drafted - self.last_boundary)
+        self.cost.observe_bandwidth(self.cache.streams.measured_bandwidth())
+        self.last_time, self.last_boundary = now, drafted
+        batch = self._issue(plan, ranking)
+        full = all(len(set(experts) & self.cache.resident_experts(layer)) >= self.cache.slots_per_layer
+                   for layer, experts in plan.items())
+        self.phase = FINAL_CLEANUP if full or last else PREFETCH_OVERLAP
+        if self.phase == FINAL_CLEANUP:
+            self.analyzer.elb.clear()
+        else:
+            chunk = self.cost.chunk_tokens(batch * self.cache.store.expert_bytes)
+            self.next_boundary = drafted + max(chunk, self.initial_chunk)  # at most one sync per initial chunk
+        self.trace.boundaries.append(drafted)
+        self.trace.phases.append(self.phase)
+        self.trace.batch_sizes.append(batch)
+
+    def _issue(self, plan: dict[int, list[int]], ranking: dict[int, list[int]]) -> int:
+        """Prefetch the planned experts that are not resident; returns how many copies were issued.
+
+        Planned experts already resident are touched first (most recently used), so the LRU victims
+        of the new copies are experts outside the plan.
+        """
+        self.cache.predicted = {layer: set(ranked) for layer, ranked in ranking.items()}
+        issued = 0
+        for layer, experts in plan.items():
+            self.trace.planned.setdefault(layer, set()).update(experts)
+            for expert in experts:
+                self.cache.touch(layer, expert)
+            for expert in experts:
+                if self.cache.slot_of(layer, expert) is None and self.cache.prefetch(layer, expert):
+                    issued += 1
+        return issued
+
+    def reset(self) -> None:
+        self.traces = []
+
+
+class NoPrefetch:
+    """The planner when prefetch is off or nothing is offloaded: on-demand loading only."""
+
+    traces: list = []
+
+    def begin_window(self, k: int) -> None:
+        pass
+
+    def after_draft_token(self, drafted: int) -> None:
+        pass
+
+    def end_window(self) -> WindowTrace | None:
+        return None
+
+    def reset(self) -> None:
+        pass

@@ -1,0 +1,123 @@
+"""Expert cache: LRU order, protection, event-guarded reuse, counters; host store layout."""
+import random
+
+import pytest
+import torch
+
+from specter.offload.expert_cache import ExpertCache, NoFreeSlot
+from specter.offload.host_store import HostExpertStore
+from specter.offload.streams import DeviceStreams
+
+LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 8, 4
+
+
+def make_cache(slots: int, policy: str = "lru") -> ExpertCache:
+    store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
+    for layer in range(LAYERS):
+        gate_up = torch.arange(EXPERTS * 2 * INTER * HIDDEN, dtype=torch.float32).view(EXPERTS, 2 * INTER, HIDDEN)
+        store.put_layer(layer, gate_up + 1000 * layer, -gate_up[:, :HIDDEN, :INTER] - 1000 * layer)
+    return ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")), policy)
+
+
+def use(cache: ExpertCache, layer: int, expert: int) -> int:
+    slot = cache.acquire(layer, expert)
+    cache.release(layer, slot)
+    return slot
+
+
+def test_store_rows_are_contiguous_experts():
+    cache = make_cache(2)
+    gate_up, down = cache.store.split(cache.store.expert(1, 3))
+    full_gate_up, full_down = cache.store.layer_weights(1)
+    assert torch.equal(gate_up, full_gate_up[3]) and torch.equal(down, full_down[3])
+    assert cache.store.expert(1, 3).is_contiguous()
+    assert cache.store.expert_bytes == 3 * INTER * HIDDEN * 4
+
+
+def test_exact_slot_count_and_lru_order():
+    cache = make_cache(2)
+    assert all(b.shape == (2, cache.store.numel) for b in cache.buffers)
+    use(cache, 0, 0)
+    use(cache, 0, 1)
+    use(cache, 0, 0)  # hit: expert 1 is now least recently used
+    use(cache, 0, 2)
+    assert cache.resident_experts(0) == {0, 2}
+    assert cache.counters == {"hits": 1, "hits_prefetched": 0, "misses": 3, "prefetch_loads": 0, "evictions": 1}
+    assert cache.resident_experts(1) == set()
+
+
+def test_slot_holds_the_experts_weights():
+    cache = make_cache(1)
+    for expert in (4, 1, 5):
+        slot = use(cache, 1, expert)
+        got = cache.weights(1, slot)
+        want = cache.store.split(cache.store.expert(1, expert))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_protected_slot_is_never_evicted():
+    cache = make_cache(2)
+    held = cache.acquire(0, 0)  # protected
+    use(cache, 0, 1)
+    use(cache, 0, 2)  # must evict expert 1, not the protected expert 0
+    assert cache.slot_of(0, 0) == held
+    cache.acquire(0, 3)  # takes the other slot and holds it
+    with pytest.raises(NoFreeSlot):
+        cache.acquire(0, 4)
+    assert not cache.prefetch(0, 4)
+
+
+def test_randomized_plans_and_demands_never_evict_protected():
+    rng = random.Random(0)
+    for policy in ("lru", "lookahead"):
+        cache = make_cache(3, policy)
+        held: list[tuple[int, int, int]] = []  # (layer, expert, slot)
+        for _ in range(2000):
+            layer, expert = rng.randrange(LAYERS), rng.randrange(EXPERTS)
+            op = rng.random()
+            protected = {(l, s): e for l, e, s in held}
+            if op < 0.3:
+                cache.predicted = {layer: set(rng.sample(range(EXPERTS), 2))}
+                cache.prefetch(layer, expert)
+            elif op < 0.7 and sum(1 for l, _, _ in held if l == layer) < 3:
+                try:
+                    slot = cache.acquire(layer, expert)
+                except NoFreeSlot:
+                    continue
+                held.append((layer, expert, slot))
+            elif held:
+                l, e, s = held.pop(rng.randrange(len(held)))
+                cache.release(l, s)
+            for (l, s), e in protected.items():
+                assert cache.layers[l].expert_of[s] == e, "a protected slot was overwritten"
+            for l, e, s in held:
+                want = cache.store.split(cache.store.expert(l, e))[0]
+                assert torch.equal(cache.weights(l, s)[0], want)
+
+
+def test_lookahead_policy_keeps_predicted_experts():
+    for policy, survivor in (("lru", False), ("lookahead", True)):
+        cache = make_cache(2, policy)
+        use(cache, 0, 0)
+        use(cache, 0, 1)
+        cache.predicted = {0: {0}}  # the draft predicts expert 0, which is least recently used
+        use(cache, 0, 2)
+        assert (cache.slot_of(0, 0) is not None) == survivor, policy
+
+
+def test_prefetch_then_hit_is_counted_as_prefetched():
+    cache = make_cache(2)
+    assert cache.prefetch(0, 5)
+    use(cache, 0, 5)
+    use(cache, 0, 5)
+    assert cache.counters["hits"] == 2 and cache.counters["hits_prefetched"] == 1
+    assert cache.counters["prefetch_loads"] == 1 and cache.counters["misses"] == 0
+    stats = cache.streams.stats()
+    assert stats["h2d_copies"] == 1 and stats["h2d_bytes"] == cache.store.expert_bytes
+
+
+def test_reset_empties_every_slot():
+    cache = make_cache(2)
+    use(cache, 0, 1)
+    cache.reset()
+    assert cache.resident_experts(0) == set() and cache.counters["misses"] == 0

@@ -1,0 +1,117 @@
+"""Lookahead counters, pattern analyzer and the layer-aware prefetch planner (fake cost model)."""
+import torch
+
+from specter.models.hybrid_experts import DRAFT
+from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
+from specter.prefetch.planner import COLD_START, FINAL_CLEANUP, PREFETCH_OVERLAP, CostModel, PrefetchPlanner
+from specter.spec.state import StateManager
+from tests.conftest import prompt, tiny_model
+from tests.test_expert_cache import EXPERTS, LAYERS, make_cache
+
+# draft token -> (layer 0 top-k, layer 1 top-k)
+ROUTES = [([0, 1], [2, 3]), ([0, 2], [2, 4]), ([3, 0], [5, 0]), ([3, 1], [2, 0]), ([4, 0], [3, 2]),
+          ([5, 5], [1, 1]), ([5, 1], [1, 4]), ([5, 2], [1, 3])]
+
+
+def planner_with(slots: int, initial_chunk: int = 2):
+    cache = make_cache(slots)
+    elb = ExpertLookaheadBuffer(LAYERS, EXPERTS, torch.device("cpu"))
+    cost = CostModel(draft_ms_per_token=1.0, h2d_bytes_per_ms=2 * cache.store.expert_bytes, frozen=True)
+    return PrefetchPlanner(PatternAnalyzer(elb), cache, cost, initial_chunk), elb, cache
+
+
+def draft_window(planner, elb, k: int, on_token=None) -> None:
+    planner.begin_window(k)
+    for i in range(k):
+        for layer, experts in enumerate(ROUTES[i]):
+            elb.observe(layer, torch.tensor([experts]))
+        planner.after_draft_token(i + 1)
+        if on_token:
+            on_token(i + 1)
+    planner.end_window()
+
+
+def test_counters_match_reference_count():
+    elb = ExpertLookaheadBuffer(LAYERS, EXPERTS, torch.device("cpu"))
+    for routes in ROUTES:
+        for layer, experts in enumerate(routes):
+            elb.observe(layer, torch.tensor([experts]))
+    for layer in range(LAYERS):
+        flat = torch.tensor([e for routes in ROUTES for e in routes[layer]])
+        assert torch.equal(elb.counts[layer], torch.bincount(flat, minlength=EXPERTS).int())
+    assert PatternAnalyzer(elb).plan(2) == {0: [0, 5], 1: [1, 2]}  # most frequent first, ties by id
+
+
+def test_engine_draft_counts_equal_the_draft_routing():
+    model = tiny_model("tiny-qwen")
+    elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
+    seen = []
+
+    def record(layer, top_k_index):
+        seen.append((layer, top_k_index.clone()))
+        elb.observe(layer, top_k_index)
+
+    state = StateManager(model, prompt())
+    state.prefill()
+    with state.draft_scratch(), model.observe_draft_routing(record):
+        for token in (5, 9, 11):
+            model.forward(torch.tensor([[token]]), state.cache, DRAFT)
+    assert len(seen) == 3 * model.num_moe_layers
+    for layer in range(model.num_moe_layers):
+        flat = torch.cat([idx.reshape(-1) for l, idx in seen if l == layer])
+        assert torch.equal(elb.counts[layer], torch.bincount(flat, minlength=model.num_experts).int())
+
+
+def test_phases_and_boundaries():
+    planner, elb, cache = planner_with(slots=4)
+    loads_after = {}
+    draft_window(planner, elb, 8, on_token=lambda i: loads_after.setdefault(i, cache.counters["prefetch_loads"]))
+    trace = planner.traces[-1]
+    assert loads_after[1] == 0  # cold start: the first chunk only observes
+    # b1 = 2: top-4 plans {0,1,2} and {2,3,4}: 6 experts = 3 ms of H2D at 1 ms/token -> next boundary 5;
+    # at 5 the plans {0,1,2,3} / {2,0,3,4} fill every slot -> final cleanup, nothing after
+    assert trace.boundaries == [2, 5]
+    assert trace.phases == [PREFETCH_OVERLAP, FINAL_CLEANUP]
+    assert trace.batch_sizes == [6, 2]
+    assert cache.resident_experts(0) == {0, 1, 2, 3} and cache.resident_experts(1) == {0, 2, 3, 4}
+    assert int(elb.counts.sum()) == 0  # cleared at the end of the draft stage
+    assert planner.phase == FINAL_CLEANUP
+
+
+def test_window_ending_before_the_cache_fills_plans_once_more():
+    planner, elb, cache = planner_with(slots=4)
+    draft_window(planner, elb, 3)
+    trace = planner.traces[-1]
+    assert trace.boundaries == [2, 3] and trace.phases == [PREFETCH_OVERLAP, FINAL_CLEANUP]
+    assert cache.counters["prefetch_loads"] == 6 + 2
+    assert int(elb.counts.sum()) == 0
+
+
+def test_window_shorter_than_the_cold_start():
+    planner, elb, cache = planner_with(slots=4, initial_chunk=4)
+    planner.begin_window(1)
+    assert planner.phase == COLD_START
+    elb.observe(0, torch.tensor([[1, 2]]))
+    planner.after_draft_token(1)
+    planner.end_window()
+    assert planner.traces[-1].boundaries == [1]  # the last plan at the end of drafting
+
+
+def test_resident_planned_experts_are_not_evicted_by_their_own_batch():
+    planner, elb, cache = planner_with(slots=2)
+    for expert in (0, 4):  # 0 will be planned, 4 will not; 0 is least recently used
+        slot = cache.acquire(0, expert)
+        cache.release(0, slot)
+    elb.observe(0, torch.tensor([[0, 1]]))
+    planner.begin_window(2)
+    planner.after_draft_token(1)
+    planner.after_draft_token(2)
+    assert cache.resident_experts(0) == {0, 1}
+
+
+def test_chunk_length_follows_transfer_time():
+    cost = CostModel(draft_ms_per_token=2.0, h2d_bytes_per_ms=1000.0, frozen=True)
+    assert cost.chunk_tokens(0) == 1 and cost.chunk_tokens(4000) == 2 and cost.chunk_tokens(4001) == 3
+    live = CostModel(draft_ms_per_token=2.0)
+    live.observe_draft(12.0, 3)
+    assert live.draft_ms_per_token == 3.0
