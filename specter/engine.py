@@ -77,13 +77,16 @@ class SpecterEngine:
             state.commit(new_tokens, kv_keep=state.kv_length + 1 + accepted)
             metrics.commit(len(new_tokens))
             metrics.window(k, accepted)
+            routed = self._take_target_routing()
             if self.planner.traces:
-                quality.add(self.planner.traces[-1].planned, self._take_target_routing())
+                quality.add(self.planner.traces[-1].planned, routed)
+            self._count_io_floor(routed)
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)
         return GenerationResult(tokens, self._stats(metrics, quality))
 
     def speculate(self, state: StateManager, k: int, metrics: DecodeMetrics) -> tuple[list[int], int]:
         """One iteration: draft k tokens, verify k + 1 positions; returns (tokens to commit, n accepted)."""
+        self._snapshot_residency()
         metrics.begin("draft")
         drafts, draft_probs = self.draft(state, k)
         metrics.end("draft")
@@ -150,9 +153,22 @@ class SpecterEngine:
             self.runtime.reset()
         self.planner.reset()
         self.elb.clear()
+        self._io_floor_bytes = 0
         if not self.config.greedy:
             self.generator = torch.Generator(device=self.model.device)
             self.generator.manual_seed(self.config.seed)
+
+    def _snapshot_residency(self) -> None:
+        """Which experts were resident when this window started (for the I/O floor)."""
+        if self.runtime is not None:
+            cache = self.runtime.cache
+            self._resident_at_start = [cache.resident_experts(layer) for layer in range(len(cache.layers))]
+
+    def _count_io_floor(self, routed: dict) -> None:
+        """Bytes the window could not avoid moving: routed experts that were not resident at its start."""
+        if self.runtime is not None:
+            missing = sum(len(experts - self._resident_at_start[layer]) for layer, experts in routed.items())
+            self._io_floor_bytes += missing * self.runtime.store.expert_bytes
 
     def _take_target_routing(self) -> dict:
         return self.runtime.residency.take_demand() if self.runtime is not None else {}
@@ -164,6 +180,7 @@ class SpecterEngine:
             stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(stats["generated_tokens"], 1)
             stats.update(quality.stats())
             stats["prefetch_trace"] = [t.as_dict() for t in self.planner.traces]
+            stats["io_floor_bytes"] = self._io_floor_bytes
         return stats
 
 

@@ -25,3 +25,26 @@ def test_sampling_runs_on_cuda():
     model = specter.load_model("tiny", device="cuda", dtype=torch.float16)
     out = specter.SpecterEngine(model, specter.SpecterConfig(k=4, temperature=0.8)).generate(prompt(), 16)
     assert len(out.token_ids) == 16
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mixtral"])
+def test_fp16_offloaded_greedy_equals_target_only_on_cuda(name):
+    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+    ids = prompt()
+    reference = TargetOnly(model).generate(ids, 32).token_ids  # all experts resident
+    for slots in (1, 3):
+        out = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=slots)).generate(ids, 32)
+        assert out.token_ids == reference, (name, slots)
+        assert out.stats["h2d_bytes"] > 0 and out.stats["h2d_gbps"] > 0
+        assert model.host_store.buffers[0].is_pinned()
+
+
+@pytest.mark.slow
+def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
+    model = specter.load_model("dsv2", synthetic=True, device="cuda", dtype=torch.float16, experts_on_host=True)
+    ids = prompt()[:, :16]
+    for mem in ("low", "high"):
+        slots = model.spec.mem_presets[mem]
+        out = specter.SpecterEngine(model, specter.SpecterConfig(k=16, resident_experts_per_layer=slots)).generate(ids, 24)
+        assert len(out.token_ids) == 24 and out.stats["misses"] > 0
+        assert model.offload.cache.buffers[0].shape[0] == slots

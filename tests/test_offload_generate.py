@@ -90,3 +90,25 @@ def test_target_only_with_the_same_cache_and_repeatable_runs():
 def test_budget_must_fit_the_expert_count():
     with pytest.raises(ValueError, match="resident experts per layer must be in 1..8"):
         offload_experts(fresh("tiny"), 9)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-phi"])
+def test_checkpoint_loads_with_experts_straight_to_host(tmp_path, name):
+    """A checkpoint read on the CPU, experts into the host store layer by layer: same greedy tokens."""
+    from tests.conftest import pristine_hf
+
+    pristine_hf(name).save_pretrained(tmp_path)
+    model = specter.load_model(tmp_path, device="cpu", dtype=torch.float32, experts_on_host=True)
+    assert model.host_store is not None and not hasattr(model.experts[0], "gate_up_proj")
+    out = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=1)).generate(prompt(), 16)
+    assert out.token_ids == hf_greedy(name, prompt(), 16)
+
+
+def test_synthetic_build_straight_to_host_is_seeded_and_decodes():
+    a = specter.load_model("tiny-qwen", device="cpu", experts_on_host=True, seed=5)
+    b = specter.load_model("tiny-qwen", device="cpu", experts_on_host=True, seed=5)
+    assert torch.equal(a.host_store.buffers[1], b.host_store.buffers[1])
+    assert torch.equal(a.experts[0].draft_gate_up_qweight, b.experts[0].draft_gate_up_qweight)
+    reference = TargetOnly(a, resident_experts_per_layer=8).generate(prompt(), 16).token_ids
+    out = specter.SpecterEngine(a, specter.SpecterConfig(k=4, resident_experts_per_layer=2)).generate(prompt(), 16)
+    assert out.token_ids == reference

@@ -27,7 +27,8 @@ class HybridMoEModel:
     tokenizer: Any
     experts: list[HybridExperts]
     quantizer: str = "rtn"
-    offload: Any = None  # the OffloadRuntime once the FP experts live in host memory
+    host_store: Any = None  # the HostExpertStore once the FP experts live in host memory
+    offload: Any = None  # the OffloadRuntime (cache + residency manager) serving them
 
     @contextmanager
     def observe_draft_routing(self, observer) -> Iterator[None]:
@@ -107,16 +108,25 @@ class HybridMoEModel:
         return ".experts." in f".{name}" and (name.endswith("gate_up_proj") or name.endswith("down_proj"))
 
 
+def hf_experts_modules(hf_model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every transformers-5 routed-experts module, in layer order."""
+    found = [(name, module) for name, module in hf_model.named_modules() if is_hf_experts(module)]
+    if not found:
+        raise ValueError(f"{type(hf_model).__name__} has no transformers-5 *Experts modules to replace")
+    return found
+
+
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent_name), attr, new)
+
+
 def hybridize(hf_model: nn.Module, spec: ModelSpec, tokenizer: Any, quantizer: str = "rtn") -> HybridMoEModel:
     """Swap every HF `*Experts` module of `hf_model` for a HybridExperts (in place) and wrap the result."""
-    targets = [(name, module) for name, module in hf_model.named_modules() if is_hf_experts(module)]
-    if not targets:
-        raise ValueError(f"{type(hf_model).__name__} has no transformers-5 *Experts modules to replace")
     experts = []
-    for moe_layer, (name, module) in enumerate(targets):
-        parent_name, _, attr = name.rpartition(".")
-        hybrid = HybridExperts(module, moe_layer)
-        setattr(hf_model.get_submodule(parent_name), attr, hybrid)
+    for moe_layer, (name, module) in enumerate(hf_experts_modules(hf_model)):
+        hybrid = HybridExperts.from_hf(module, moe_layer)
+        replace_module(hf_model, name, hybrid)
         experts.append(hybrid)
     hf_model.eval()
     return HybridMoEModel(hf_model, spec, tokenizer, experts, quantizer)

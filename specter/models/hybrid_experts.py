@@ -6,10 +6,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from specter.kernels.int4_moe import TRITON_AVAILABLE, MoEWorkspace, fused_int4_moe
 from specter.kernels.reference import expert_wise_moe, int4_moe_reference
 from specter.quant.int4 import Int4Linear, quantize_rtn
 
 DRAFT, TARGET = "draft", "target"
+
+DRAFT_WORKSPACE = MoEWorkspace()  # intermediate buffers of the fused draft kernel, shared by all layers
 
 RoutingObserver = Callable[[int, torch.Tensor], None]  # (moe_layer, top_k_index [T, k])
 TargetExecutor = Callable[["HybridExperts", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,26 +32,35 @@ class HybridExperts(nn.Module):
     through `target_executor` when the offload runtime installs one.
     """
 
-    def __init__(self, hf_experts: nn.Module, moe_layer: int, draft: tuple[Int4Linear, Int4Linear] | None = None):
+    def __init__(self, moe_layer: int, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn) -> None:
         super().__init__()
-        self.moe_layer = moe_layer
-        self.num_experts, two_i, self.hidden_dim = hf_experts.gate_up_proj.shape
-        self.intermediate_dim = two_i // 2
-        self.act_fn = hf_experts.act_fn
-        self.gate_up_proj = hf_experts.gate_up_proj  # [E, 2I, H], the target's tensor itself (no copy)
-        self.down_proj = hf_experts.down_proj  # [E, H, I]
-        gate_up_q, down_q = draft or (quantize_rtn(self.gate_up_proj.detach()), quantize_rtn(self.down_proj.detach()))
-        self.set_draft_weights(gate_up_q, down_q)
+        self.moe_layer, self.num_experts = moe_layer, num_experts
+        self.hidden_dim, self.intermediate_dim = hidden_dim, intermediate_dim
+        self.act_fn = act_fn
         self.mode = TARGET
         self.routing_observer: RoutingObserver | None = None
         self.target_executor: TargetExecutor | None = None
+        self.draft_backend = "auto"  # "auto": fused kernel on CUDA; "reference": the torch reference
 
-    def set_draft_weights(self, gate_up: Int4Linear, down: Int4Linear) -> None:
-        """Install packed INT4 draft weights (from RTN here, or from a GPTQ file)."""
+    @classmethod
+    def from_hf(cls, hf_experts: nn.Module, moe_layer: int) -> "HybridExperts":
+        """Take over an HF experts module: its FP parameters become the target weights (no copy),
+        their RTN INT4 quantization the draft weights."""
+        e, two_i, h = hf_experts.gate_up_proj.shape
+        module = cls(moe_layer, e, h, two_i // 2, hf_experts.act_fn)
+        module.gate_up_proj = hf_experts.gate_up_proj  # [E, 2I, H]
+        module.down_proj = hf_experts.down_proj  # [E, H, I]
+        module.set_draft_weights(quantize_rtn(module.gate_up_proj.detach()), quantize_rtn(module.down_proj.detach()))
+        return module
+
+    def set_draft_weights(self, gate_up: Int4Linear, down: Int4Linear, device=None) -> None:
+        """Install packed INT4 draft weights (RTN, or GPTQ from a file) on `device` (default: where they were)."""
+        old = getattr(self, "draft_gate_up_qweight", None)
+        device = device or (old.device if old is not None else gate_up.qweight.device)
         self.group_size = gate_up.group_size
         for name, packed in (("draft_gate_up", gate_up), ("draft_down", down)):
-            self.register_buffer(f"{name}_qweight", packed.qweight.to(self.gate_up_proj.device))
-            self.register_buffer(f"{name}_scales", packed.scales.to(self.gate_up_proj.device))
+            self.register_buffer(f"{name}_qweight", packed.qweight.to(device))
+            self.register_buffer(f"{name}_scales", packed.scales.to(device))
 
     @property
     def draft_gate_up(self) -> Int4Linear:
@@ -65,12 +77,18 @@ class HybridExperts(nn.Module):
         if self.mode == DRAFT:
             if self.routing_observer is not None:
                 self.routing_observer(self.moe_layer, top_k_index)
-            return int4_moe_reference(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
-                                      self.act_fn)
+            return self.draft_experts(hidden, top_k_index, top_k_weights)
         if self.target_executor is not None:
             return self.target_executor(self, hidden, top_k_index, top_k_weights)
         return expert_wise_moe(hidden, top_k_index, top_k_weights, self.target_weights, self.num_experts,
                                self.act_fn)
+
+    def draft_experts(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """INT4 routed experts: the fused Triton kernel on CUDA, the torch reference elsewhere."""
+        if hidden.is_cuda and TRITON_AVAILABLE and self.draft_backend != "reference":
+            return fused_int4_moe(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
+                                  self.act_fn, workspace=DRAFT_WORKSPACE)
+        return int4_moe_reference(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down, self.act_fn)
 
     def extra_repr(self) -> str:
         return (f"moe_layer={self.moe_layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from specter.errors import SpecterError
+from specter.models.host_experts import build_synthetic_on_host, hybridize_to_host
 from specter.models.hybrid import HybridMoEModel, hybridize
 from specter.models.registry import REGISTRY, ModelSpec, get_spec, spec_for_model_type
 from specter.models.tokenizer import ByteTokenizer
@@ -52,7 +53,7 @@ def _validate_checkpoint(path: Path) -> None:
 
 
 def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype):
-    """(HF model, tokenizer, spec) from a local checkpoint directory."""
+    """(HF model, tokenizer, spec) from a local checkpoint directory, loaded onto `device`."""
     _validate_checkpoint(path)
     config = transformers.AutoConfig.from_pretrained(path)
     base = spec_for_model_type(config.model_type)
@@ -71,12 +72,16 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    experts_on_host: bool = False,
 ) -> HybridMoEModel:
     """A shared-instance hybrid model.
 
     name_or_path: a registered name (tiny, tiny-qwen, dsv2, ...) or a checkpoint directory.
     synthetic: build seeded random weights from the registered config. None means: yes for the tiny
       models (they have no checkpoint), no for full-size models (their checkpoint is loaded).
+    experts_on_host: put the FP routed experts straight into the (pinned) host store, so the device
+      never holds them all (required when they do not fit, e.g. Phi-3.5-MoE on a 40 GB card); the
+      engine then serves them through its expert cache. A checkpoint is read on the CPU first.
     """
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
@@ -86,7 +91,10 @@ def load_model(
         if synthetic is None:
             synthetic = spec.is_tiny
         if synthetic:
-            return hybridize(build_synthetic(spec, device, dtype, seed), spec, ByteTokenizer(spec.hf_config["vocab_size"]))
+            tokenizer = ByteTokenizer(spec.hf_config["vocab_size"])
+            if experts_on_host:
+                return build_synthetic_on_host(spec, hf_config(spec), tokenizer, device, dtype, seed)
+            return hybridize(build_synthetic(spec, device, dtype, seed), spec, tokenizer)
         path = checkpoint_dir(spec)
         if not path.exists():
             raise SpecterError(
@@ -96,5 +104,8 @@ def load_model(
         path = Path(name)
         if not path.exists() and os.sep not in name and "/" not in name:
             get_spec(name)  # neither a known name nor a path: raises "unknown model"
+    if experts_on_host:
+        model, tokenizer, spec = load_checkpoint(path, torch.device("cpu"), dtype)
+        return hybridize_to_host(model, spec, tokenizer, device)
     model, tokenizer, spec = load_checkpoint(path, device, dtype)
     return hybridize(model, spec, tokenizer)

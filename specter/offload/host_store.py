@@ -9,7 +9,8 @@ from specter.offload.streams import pin
 class HostExpertStore:
     """Per MoE layer one [E, 3*I*H] host tensor; row e holds expert e's gate_up [2I, H] then down [H, I].
 
-    One expert is therefore one contiguous copy. Pinned when the compute device is a GPU.
+    One expert is therefore one contiguous copy. Pinned when the compute device is a GPU. Layers are
+    allocated as they are filled, so a loader can free its own copy of each layer as it goes.
     """
 
     def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int,
@@ -17,8 +18,8 @@ class HostExpertStore:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden, self.intermediate, self.dtype = hidden, intermediate, dtype
         self.numel = 3 * intermediate * hidden
-        self.buffers = [pin(torch.empty(num_experts, self.numel, dtype=dtype), compute_device)
-                        for _ in range(num_layers)]
+        self.compute_device = torch.device(compute_device)
+        self.buffers: list[torch.Tensor | None] = [None] * num_layers  # allocated as each layer arrives
 
     @property
     def expert_bytes(self) -> int:
@@ -30,6 +31,8 @@ class HostExpertStore:
 
     def put_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Copy a layer's experts in: gate_up [E, 2I, H], down [E, H, I] (any device)."""
+        if self.buffers[layer] is None:
+            self.buffers[layer] = pin(torch.empty(self.num_experts, self.numel, dtype=self.dtype), self.compute_device)
         rows = self.buffers[layer]
         split = 2 * self.intermediate * self.hidden
         rows[:, :split].copy_(gate_up.reshape(self.num_experts, split))

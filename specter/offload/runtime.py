@@ -46,11 +46,12 @@ class OffloadRuntime:
 def move_experts_to_store(model) -> HostExpertStore:
     """Copy every layer's FP experts into a new host store and drop them from the device, layer by layer."""
     first = model.experts[0]
-    e, two_i, h = first.gate_up_proj.shape
-    store = HostExpertStore(model.num_moe_layers, e, h, two_i // 2, first.gate_up_proj.dtype, model.device)
+    store = HostExpertStore(model.num_moe_layers, first.num_experts, first.hidden_dim, first.intermediate_dim,
+                            first.gate_up_proj.dtype, model.device)
     for layer, module in enumerate(model.experts):
         store.put_layer(layer, module.gate_up_proj.detach(), module.down_proj.detach())
         del module.gate_up_proj, module.down_proj
+    release_device_memory()
     return store
 
 
@@ -66,11 +67,15 @@ def offload_experts(model, slots: int, policy: str = "lru", expert_wise: bool = 
     if runtime is not None and runtime.cache.slots_per_layer == slots and runtime.cache.policy.name == policy:
         runtime.residency.expert_wise = expert_wise
         return runtime
+    if model.host_store is None:
+        model.host_store = move_experts_to_store(model)
+    store = model.host_store
     if runtime is None:
-        store, streams = move_experts_to_store(model), DeviceStreams(model.device)
+        streams = DeviceStreams(model.device)
     else:
-        store, streams = runtime.store, runtime.streams
+        streams = runtime.streams
         runtime.cache.buffers.clear()  # free the old slots before allocating the new ones
+        release_device_memory()
     cache = ExpertCache(store, slots, model.device, streams, policy)
     runtime = OffloadRuntime(store, streams, cache, ResidencyManager(cache, expert_wise))
     for module in model.experts:

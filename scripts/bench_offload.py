@@ -1,0 +1,138 @@
+"""Offload benchmark (GPU): target-only resident / on-demand, Specter without and with prefetch, side by side.
+
+    python scripts/bench_offload.py --models dsv2 qwen --mem high --prompts 2 --new-tokens 128 --out DIR
+
+Synthetic full-size weights (fp16), 16-token prompts. Prints one table per model and writes
+offload.csv. The I/O floor of a run is the bytes of routed experts that were not resident when their
+verify window started, over the measured pinned H2D bandwidth, per committed token.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import specter  # noqa: E402
+from baselines.target_only import TargetOnly  # noqa: E402
+from specter.offload.runtime import offload_experts  # noqa: E402
+
+PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+           "The tower is 324 metres tall, about the same height as an 81-storey building.",
+           "Robert Boulter is an English film , television and theatre actor ."]
+
+
+def pinned_bandwidth(nbytes: int, reps: int = 50) -> float:
+    """Measured pinned host-to-device bytes per ms for copies of one expert's size."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return nbytes * reps / start.elapsed_time(end)
+
+
+def run(system, prompts, new_tokens: int) -> list[dict]:
+    """One warm-up, then each prompt once; stats plus the tokens."""
+    system.generate(prompts[0], 8)
+    results = [system.generate(ids, new_tokens) for ids in prompts]
+    return [dict(r.stats, tokens=r.token_ids) for r in results]
+
+
+def summarize(name: str, runs: list[dict], reference: list[list[int]], bw: float) -> dict:
+    mean = lambda key: sum(r.get(key, float("nan")) for r in runs) / len(runs)  # noqa: E731
+    tokens = sum(r["generated_tokens"] for r in runs)
+    floor = sum(r.get("io_floor_bytes", 0) for r in runs) / bw / tokens if "io_floor_bytes" in runs[0] else None
+    return {
+        "system": name, "tpot_ms": mean("tpot_ms"), "ttft_ms": mean("ttft_ms"),
+        "acceptance": mean("acceptance_rate"), "mean_accepted": mean("mean_accepted_length"),
+        "hit_rate": mean("hit_rate"), "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
+        "h2d_gbps": mean("h2d_gbps"), "wait_ms": mean("wait_ms"), "draft_ms": mean("draft_ms"),
+        "verify_ms": mean("verify_ms"), "io_floor_ms_per_token": floor,
+        "tokens_match_resident": sum(r["tokens"] == ref for r, ref in zip(runs, reference)) / len(runs),
+    }
+
+
+def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[dict]:
+    t0 = time.time()
+    model = specter.load_model(name, synthetic=True, device="cuda", dtype=torch.float16)
+    spec = model.spec
+    slots, k = spec.mem_presets[mem], spec.default_k
+    prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:num_prompts]]
+    print(f"\n== {name}: built in {time.time() - t0:.0f} s; K={k}, {slots} resident experts/layer ({mem}), "
+          f"{num_prompts} prompts x {new_tokens} tokens", flush=True)
+    resident = run(TargetOnly(model), prompts, new_tokens)
+    reference = [r["tokens"] for r in resident]
+    offload_experts(model, slots)
+    bw = pinned_bandwidth(model.host_store.expert_bytes)
+    rows = [summarize("target_only_resident", resident, reference, bw)]
+    systems = [
+        ("target_only_offload", TargetOnly(model, slots)),
+        ("specter_no_prefetch", specter.SpecterEngine(model, specter.SpecterConfig(k=k, resident_experts_per_layer=slots, prefetch=False))),
+        ("specter", specter.SpecterEngine(model, specter.SpecterConfig(k=k, resident_experts_per_layer=slots))),
+        ("specter_lookahead_evict", specter.SpecterEngine(model, specter.SpecterConfig(
+            k=k, resident_experts_per_layer=slots, eviction="lookahead"))),
+    ]
+    for label, system in systems:
+        t1 = time.time()
+        rows.append(summarize(label, run(system, prompts, new_tokens), reference, bw))
+        print(f"   {label}: {time.time() - t1:.0f} s", flush=True)
+    for row in rows:
+        row.update(model=name, mem=mem, slots=slots, k=k, pinned_gbps=bw / 1e6)
+    del model, systems
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["system", "tpot_ms", "acceptance", "hit_rate", "h2d_mb_per_token", "h2d_gbps", "wait_ms",
+            "io_floor_ms_per_token", "tokens_match_resident"]
+    print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))
+    for r in rows:
+        cells = [f"{r['system']:>22}"]
+        for c in cols[1:]:
+            v = r[c]
+            cells.append(f"{v:12.3f}" if isinstance(v, float) else f"{str(v):>12}")
+        print(" | ".join(cells))
+    spec = next(r for r in rows if r["system"] == "specter")
+    base = next(r for r in rows if r["system"] == "target_only_offload")
+    print(f"specter vs target-only (same cache): {base['tpot_ms'] / spec['tpot_ms']:.2f}x TPOT; "
+          f"specter TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["dsv2", "qwen"])
+    parser.add_argument("--mem", default="high")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: bench_offload.py needs a CUDA GPU")
+    rows = []
+    for name in args.models:
+        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens)
+        print_table(model_rows)
+        rows += model_rows
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "offload.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
