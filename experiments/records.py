@@ -9,7 +9,9 @@ import pandas as pd
 from specter.metrics import GenerationResult
 
 ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_length", "iterations",
-             "generated_tokens")
+             "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
+             "h2d_bytes_per_token", "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
+             "prefetch_precision", "prefetch_recall")
 
 
 def record(system: str, prompt_id: int, result: GenerationResult, reference: list[int] | None) -> dict:
@@ -31,7 +33,8 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     ok = records[records.status == "ok"]
     summary = ok.groupby("system", sort=False).agg(
         tpot_ms=("tpot_ms", "mean"), ttft_ms=("ttft_ms", "mean"), acceptance_rate=("acceptance_rate", "mean"),
-        mean_accepted_length=("mean_accepted_length", "mean"), prompts=("prompt_id", "nunique"),
+        mean_accepted_length=("mean_accepted_length", "mean"), hit_rate=("hit_rate", "mean"),
+        h2d_mb_per_token=("h2d_bytes_per_token", lambda s: s.mean() / 1e6), prompts=("prompt_id", "nunique"),
         tokens_identical=("tokens_match_target", lambda s: "yes" if (s == "yes").all() else
                           ("" if (s == "").all() else "no")),
     ).reset_index()

@@ -8,7 +8,9 @@ import torch
 
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
+from specter.models.loading import hf_config
 from specter.models.registry import ModelSpec, get_spec
+from specter.offload.budget import plan_memory
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -44,9 +46,12 @@ def model_choice(cfg) -> ModelChoice:
 
 
 def resident_slots(cfg, spec: ModelSpec) -> int:
-    """Resident FP16 experts per MoE layer from mem.slots, else the model's named preset."""
+    """Resident FP16 experts per MoE layer: mem.slots, else a GPU budget mem.gb, else the named preset."""
     if cfg.mem.slots is not None:
         return int(cfg.mem.slots)
+    if cfg.mem.get("gb") is not None:
+        dtype = DTYPES.get(cfg.dtype, torch.float16)
+        return plan_memory(spec, hf_config(spec), dtype).slots_for(float(cfg.mem.gb))
     try:
         return spec.mem_presets[cfg.mem.preset]
     except KeyError:

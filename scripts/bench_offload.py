@@ -4,7 +4,7 @@
 
 Synthetic full-size weights (fp16), 16-token prompts. Prints one table per model and writes
 offload.csv. The I/O floor of a run is the bytes of routed experts that were not resident when their
-verify window started, over the measured pinned H2D bandwidth, per committed token.
+verify window started, over the H2D bandwidth measured on the run's own copies, per committed token.
 """
 from __future__ import annotations
 
@@ -29,20 +29,6 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold 
            "Robert Boulter is an English film , television and theatre actor ."]
 
 
-def pinned_bandwidth(nbytes: int, reps: int = 50) -> float:
-    """Measured pinned host-to-device bytes per ms for copies of one expert's size."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return nbytes * reps / start.elapsed_time(end)
-
-
 def run(system, prompts, new_tokens: int) -> list[dict]:
     """One warm-up, then each prompt once; stats plus the tokens."""
     system.generate(prompts[0], 8)
@@ -50,16 +36,22 @@ def run(system, prompts, new_tokens: int) -> list[dict]:
     return [dict(r.stats, tokens=r.token_ids) for r in results]
 
 
-def summarize(name: str, runs: list[dict], reference: list[list[int]], bw: float) -> dict:
+def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     mean = lambda key: sum(r.get(key, float("nan")) for r in runs) / len(runs)  # noqa: E731
     tokens = sum(r["generated_tokens"] for r in runs)
-    floor = sum(r.get("io_floor_bytes", 0) for r in runs) / bw / tokens if "io_floor_bytes" in runs[0] else None
+    floor = None
+    if "io_floor_bytes" in runs[0]:
+        bytes_per_ms = sum(r["h2d_bytes"] for r in runs) / sum(r["h2d_busy_ms"] for r in runs)
+        floor = sum(r["io_floor_bytes"] for r in runs) / bytes_per_ms / tokens
     return {
         "system": name, "tpot_ms": mean("tpot_ms"), "ttft_ms": mean("ttft_ms"),
         "acceptance": mean("acceptance_rate"), "mean_accepted": mean("mean_accepted_length"),
         "hit_rate": mean("hit_rate"), "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
-        "h2d_gbps": mean("h2d_gbps"), "wait_ms": mean("wait_ms"), "draft_ms": mean("draft_ms"),
-        "verify_ms": mean("verify_ms"), "io_floor_ms_per_token": floor,
+        "h2d_gbps": mean("h2d_gbps"), "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
+        "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
+        "verify_ms_per_token": mean("verify_ms") / mean("generated_tokens"),
+        "prefetch_precision": mean("prefetch_precision"), "prefetch_recall": mean("prefetch_recall"),
+        "io_floor_ms_per_token": floor,
         "tokens_match_resident": sum(r["tokens"] == ref for r, ref in zip(runs, reference)) / len(runs),
     }
 
@@ -75,8 +67,7 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[
     resident = run(TargetOnly(model), prompts, new_tokens)
     reference = [r["tokens"] for r in resident]
     offload_experts(model, slots)
-    bw = pinned_bandwidth(model.host_store.expert_bytes)
-    rows = [summarize("target_only_resident", resident, reference, bw)]
+    rows = [summarize("target_only_resident", resident, reference)]
     systems = [
         ("target_only_offload", TargetOnly(model, slots)),
         ("specter_no_prefetch", specter.SpecterEngine(model, specter.SpecterConfig(k=k, resident_experts_per_layer=slots, prefetch=False))),
@@ -86,10 +77,10 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[
     ]
     for label, system in systems:
         t1 = time.time()
-        rows.append(summarize(label, run(system, prompts, new_tokens), reference, bw))
+        rows.append(summarize(label, run(system, prompts, new_tokens), reference))
         print(f"   {label}: {time.time() - t1:.0f} s", flush=True)
     for row in rows:
-        row.update(model=name, mem=mem, slots=slots, k=k, pinned_gbps=bw / 1e6)
+        row.update(model=name, mem=mem, slots=slots, k=k)
     del model, systems
     gc.collect()
     torch.cuda.empty_cache()
@@ -97,8 +88,9 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["system", "tpot_ms", "acceptance", "hit_rate", "h2d_mb_per_token", "h2d_gbps", "wait_ms",
-            "io_floor_ms_per_token", "tokens_match_resident"]
+    cols = ["system", "tpot_ms", "acceptance", "hit_rate", "h2d_mb_per_token", "h2d_gbps", "wait_ms_per_token",
+            "draft_ms_per_token", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
+            "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))
     for r in rows:
         cells = [f"{r['system']:>22}"]

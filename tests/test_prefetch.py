@@ -115,3 +115,18 @@ def test_chunk_length_follows_transfer_time():
     live = CostModel(draft_ms_per_token=2.0)
     live.observe_draft(12.0, 3)
     assert live.draft_ms_per_token == 3.0
+
+
+def test_a_later_batch_never_evicts_this_windows_earlier_prefetch():
+    planner, elb, cache = planner_with(slots=2, initial_chunk=1)
+    planner.begin_window(3)
+    elb.observe(0, torch.tensor([[1, 2]]))
+    planner.after_draft_token(1)  # plan {1, 2} fills layer 0
+    assert cache.resident_experts(0) == {1, 2}
+    elb.observe(0, torch.tensor([[3, 3]]))
+    elb.observe(0, torch.tensor([[3, 1]]))
+    planner.after_draft_token(2)
+    planner.after_draft_token(3)
+    planner.end_window()
+    assert cache.resident_experts(0) == {1, 2}  # expert 3 now ranks first, but 2 was prefetched for this window
+    assert cache.counters["evictions"] == 0

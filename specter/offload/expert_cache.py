@@ -43,8 +43,8 @@ class LRUPolicy:
 
     name = "lru"
 
-    def victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
-        candidates = slots.unprotected_lru()
+    def victim(self, layer: int, slots: LayerSlots, predicted: dict, keep: frozenset = frozenset()) -> int | None:
+        candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
         empty = [s for s in candidates if slots.expert_of[s] is None]
         return (empty or candidates or [None])[0]
 
@@ -54,11 +54,9 @@ class LookaheadPolicy(LRUPolicy):
 
     name = "lookahead"
 
-    def victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
-        keep = predicted.get(layer, ())
-        candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
-        empty = [s for s in candidates if slots.expert_of[s] is None]
-        return (empty or candidates or [super().victim(layer, slots, predicted)])[0]
+    def victim(self, layer: int, slots: LayerSlots, predicted: dict, keep: frozenset = frozenset()) -> int | None:
+        preferred = super().victim(layer, slots, predicted, keep | frozenset(predicted.get(layer, ())))
+        return preferred if preferred is not None else super().victim(layer, slots, predicted, keep)
 
 
 POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy}
@@ -86,13 +84,14 @@ class ExpertCache:
                         for _ in range(store.num_layers)]
         self.layers = [LayerSlots(slots_per_layer) for _ in range(store.num_layers)]
         self.predicted: dict[int, set] = {}  # layer -> experts the current draft window predicts
+        self.window_plan: dict[int, set] = {}  # layer -> experts prefetched for the current window
         self.reset()
 
     def reset(self) -> None:
         """Empty every slot (the same initial state before each input) and zero the counters."""
         for slots in self.layers:
             slots.clear()
-        self.predicted = {}
+        self.predicted, self.window_plan = {}, {}
         self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "prefetch_loads": 0, "evictions": 0}
 
     @property
@@ -125,13 +124,16 @@ class ExpertCache:
         return slot
 
     def prefetch(self, layer: int, expert: int) -> bool:
-        """Start loading `expert` unless resident; False if every slot is protected."""
+        """Start loading `expert` unless resident; False if no slot is free of protection and of this
+        window's plan (a window's prefetches never evict each other)."""
         slots = self.layers[layer]
         if expert in slots.slot_of:
             return True
-        if self.policy.victim(layer, slots, self.predicted) is None:
+        keep = frozenset(self.window_plan.get(layer, ()))
+        slot = self.policy.victim(layer, slots, self.predicted, keep)
+        if slot is None:
             return False
-        slot = self._load(layer, expert, PREFETCH)
+        self._load(layer, expert, PREFETCH, slot)
         slots.lru.move_to_end(slot)
         self.counters["prefetch_loads"] += 1
         return True
@@ -155,9 +157,9 @@ class ExpertCache:
         """(gate_up [2I, H], down [H, I]) views of a slot."""
         return self.store.split(self.buffers[layer][slot])
 
-    def _load(self, layer: int, expert: int, reason: str) -> int:
+    def _load(self, layer: int, expert: int, reason: str, slot: int | None = None) -> int:
         slots = self.layers[layer]
-        slot = self.policy.victim(layer, slots, self.predicted)
+        slot = self.policy.victim(layer, slots, self.predicted) if slot is None else slot
         if slot is None:
             raise NoFreeSlot(f"layer {layer}: all {slots.size} slots are protected")
         old = slots.expert_of[slot]

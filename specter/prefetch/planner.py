@@ -82,7 +82,7 @@ class PrefetchPlanner:
         if self.phase != FINAL_CLEANUP and self.trace.k > self.last_boundary:
             self._checkpoint(self.trace.k, last=True)
         self.analyzer.elb.clear()
-        self.cache.predicted = {}
+        self.cache.predicted, self.cache.window_plan = {}, {}
         self.traces.append(self.trace)
         return self.trace
 
@@ -94,8 +94,8 @@ class PrefetchPlanner:
         self.cost.observe_bandwidth(self.cache.streams.measured_bandwidth())
         self.last_time, self.last_boundary = now, drafted
         batch = self._issue(plan, ranking)
-        full = all(len(set(experts) & self.cache.resident_experts(layer)) >= self.cache.slots_per_layer
-                   for layer, experts in plan.items())
+        full = all(len(planned & self.cache.resident_experts(layer)) >= self.cache.slots_per_layer
+                   for layer, planned in self.trace.planned.items())
         self.phase = FINAL_CLEANUP if full or last else PREFETCH_OVERLAP
         if self.phase == FINAL_CLEANUP:
             self.analyzer.elb.clear()
@@ -110,17 +110,21 @@ class PrefetchPlanner:
         """Prefetch the planned experts that are not resident; returns how many copies were issued.
 
         Planned experts already resident are touched first (most recently used), so the LRU victims
-        of the new copies are experts outside the plan.
+        of the new copies are experts outside the plan; and an expert prefetched earlier in this window
+        is never evicted by a later batch of the same window (its slot is kept until verification).
         """
         self.cache.predicted = {layer: set(ranked) for layer, ranked in ranking.items()}
+        self.cache.window_plan = self.trace.planned
         issued = 0
         for layer, experts in plan.items():
-            self.trace.planned.setdefault(layer, set()).update(experts)
             for expert in experts:
                 self.cache.touch(layer, expert)
             for expert in experts:
                 if self.cache.slot_of(layer, expert) is None and self.cache.prefetch(layer, expert):
+                    self.trace.planned.setdefault(layer, set()).add(expert)
                     issued += 1
+                elif self.cache.slot_of(layer, expert) is not None:
+                    self.trace.planned.setdefault(layer, set()).add(expert)
         return issued
 
     def reset(self) -> None:
