@@ -41,7 +41,7 @@ class TargetOnly:
         state = StateManager(self.model, input_ids)
         next_token = state.prefill().argmax(dim=-1, keepdim=True)  # [1], stays on the device
         while True:
-            state.commit(next_token.tolist(), kv_keep=state.cache.get_seq_length())
+            state.commit(next_token.tolist(), kv_keep=len(state.tokens))  # the tokens committed before this one have KV
             metrics.commit(1)
             if len(state.generated) == max_new_tokens:
                 break

@@ -20,6 +20,9 @@ class SpecterConfig:
     eviction: expert-cache victim policy, "lru" (the paper's) or "lookahead" (never evicts an expert
       the current draft window predicts while another slot will do).
     initial_chunk: draft tokens of the Cold Start chunk (observed before the first prefetch).
+    cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
+      cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
+    max_cache_len: positions of that static KV cache (grown when a request needs more).
     """
 
     k: int = 4
@@ -31,6 +34,8 @@ class SpecterConfig:
     expert_wise: bool = True
     eviction: str = "lru"
     initial_chunk: int = 2
+    cuda_graph: bool = True
+    max_cache_len: int = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:

@@ -10,12 +10,13 @@ from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT, TARGET
+from specter.offload.draft_graph import capture_draft_step
 from specter.offload.runtime import offload_experts
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import NoPrefetch, PrefetchPlanner
 from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept, logits_to_probs, rejection_accept, sample
-from specter.spec.state import StateManager
+from specter.spec.state import StateManager, new_static_cache
 
 
 def check_prompt(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -55,6 +56,7 @@ class SpecterEngine:
                                            initial_chunk=self.config.initial_chunk)
         else:
             self.planner = NoPrefetch()
+        self.static_cache, self.draft_graph, self.graph_status = None, None, "off"
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -66,8 +68,9 @@ class SpecterEngine:
         input_ids = check_prompt(input_ids, max_new_tokens)
         self._reset()
         metrics, quality = DecodeMetrics(self.model.device), PrefetchQuality()
-        state = StateManager(self.model, input_ids)
+        state = StateManager(self.model, input_ids, self._static_cache(input_ids.shape[1] + max_new_tokens))
         first = self._choose(state.prefill())
+        self._capture_draft_graph(state)
         state.commit([first], kv_keep=state.kv_length)
         metrics.commit(1)
         self._take_target_routing()  # the prefill's routing is not a verify window
@@ -113,8 +116,10 @@ class SpecterEngine:
         with state.draft_scratch(), observing:
             self.planner.begin_window(k)
             for i in range(k):
-                logits = self.model.forward(x, state.cache, DRAFT)[0, -1]  # [V]
-                token, p = self._draft_token(logits)
+                if self.draft_graph is not None:
+                    token, p = self.draft_graph.step(x), None
+                else:
+                    token, p = self._draft_token(self.model.forward(x, state.cache, DRAFT)[0, -1])
                 tokens.append(token)
                 probs.append(p)
                 x = token.view(1, 1)
@@ -124,6 +129,23 @@ class SpecterEngine:
         empty = torch.empty(0, dtype=torch.long, device=self.model.device)
         drafted = torch.cat(tokens) if tokens else empty
         return drafted, (torch.stack(probs) if probs and probs[0] is not None else None)
+
+    def _static_cache(self, length: int):
+        """The engine's static KV cache when the draft step runs as a CUDA graph (else None: dynamic KV)."""
+        use = self.config.cuda_graph and self.config.greedy and self.model.device.type == "cuda"
+        if not use:
+            return None
+        needed = length + self.config.k + 2
+        if self.static_cache is None or self.static_cache.max_cache_len < needed:
+            self.static_cache = new_static_cache(self.model, max(needed, self.config.max_cache_len))
+            self.draft_graph, self.graph_status = None, "off"  # captured addresses changed
+        return self.static_cache
+
+    def _capture_draft_graph(self, state: StateManager) -> None:
+        """Capture the draft step once (after the first prefill has laid out the static cache)."""
+        if state.cache is self.static_cache and self.draft_graph is None and self.graph_status == "off":
+            self.draft_graph, reason = capture_draft_step(self.model, state.cache, self.elb, state.kv_length)
+            self.graph_status = "on" if self.draft_graph is not None else f"failed: {reason}"
 
     def _draft_token(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft's token [1] from logits [V] (argmax, or a sample with its distribution)."""
@@ -175,6 +197,7 @@ class SpecterEngine:
 
     def _stats(self, metrics: DecodeMetrics, quality: PrefetchQuality) -> dict:
         stats = metrics.summary()
+        stats["draft_graph"] = self.graph_status
         if self.runtime is not None:
             stats.update(self.runtime.stats())
             stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(stats["generated_tokens"], 1)

@@ -5,14 +5,28 @@ from contextlib import contextmanager
 from collections.abc import Iterator
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 
-def crop_cache(cache: DynamicCache, keep: int) -> None:
-    """Drop KV entries past `keep` (negative-count form: portable across transformers 5.x)."""
+def crop_cache(cache, keep: int) -> None:
+    """Drop KV entries past `keep`.
+
+    DynamicCache: the negative-count crop (portable across transformers 5.x). StaticCache: move each
+    layer's device-side length back (no host sync); entries past it are masked, then overwritten.
+    """
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(keep)
+        return
     excess = cache.get_seq_length() - keep
     if excess > 0:
         cache.crop(-excess)
+
+
+def new_static_cache(model, max_length: int) -> StaticCache:
+    """A preallocated KV cache of `max_length` positions (fixed addresses: CUDA-graph safe)."""
+    return StaticCache(config=model.hf.config, max_cache_len=max_length)
 
 
 class StateManager:
@@ -23,9 +37,11 @@ class StateManager:
     of accepted tokens.
     """
 
-    def __init__(self, model, prompt: torch.Tensor) -> None:
+    def __init__(self, model, prompt: torch.Tensor, cache=None) -> None:
+        """`cache`: an empty StaticCache to reuse (the engine's, on CUDA), else a new DynamicCache."""
         self.model = model
-        self.cache = DynamicCache(config=model.hf.config)
+        self.cache = cache if cache is not None else DynamicCache(config=model.hf.config)
+        crop_cache(self.cache, 0)
         self.tokens: list[int] = prompt[0].tolist()
         self.prompt_length = len(self.tokens)
         self._device_tokens = prompt.to(model.device)  # [1, T]
@@ -42,7 +58,7 @@ class StateManager:
     def prefill(self) -> torch.Tensor:
         """Target forward over the prompt; returns the last position's logits [V]."""
         logits = self.model.forward(self.uncached(), self.cache, "target")
-        self.kv_length = self.cache.get_seq_length()
+        self.kv_length = self.prompt_length
         return logits[0, -1]
 
     @contextmanager

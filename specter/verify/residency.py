@@ -6,18 +6,22 @@ from collections import deque
 import torch
 
 from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
+from specter.kernels.slot_moe import TRITON_AVAILABLE, MoEWorkspace, slot_moe_rows, slot_moe_rows_reference
 from specter.offload.expert_cache import ExpertCache
+
+VERIFY_WORKSPACE = MoEWorkspace()  # intermediate buffers of the slot kernel, shared by all layers
 
 
 class ResidencyManager:
     """The target-mode executor of every HybridExperts layer when experts are offloaded.
 
     Per layer: the router's top-k is authoritative; the needed experts split into cache hits and
-    misses; hits are protected and computed first (tokens gathered per expert into one GEMM), misses
-    are loaded into unprotected slots on the copy stream and join the compute queue as their copies
-    finish (checked without blocking; the compute stream waits on the ready event, never the host).
-    Every expert's output is written to its (token, slot) rows and combined with the routing weights
-    at the end, so the result does not depend on the execution order.
+    misses. Hits are protected and run first, as one wave; meanwhile misses are copied into the
+    unprotected slots on the copy stream, and each following wave runs the experts that have arrived
+    while the next ones load into the slots just released (double buffering). A wave is one launch pair
+    of the slot kernel on CUDA (tokens gathered per expert into dense tiles), the torch reference on
+    CPU; the compute stream waits on ready events, never the host. Expert outputs fill (token, slot)
+    rows that are combined with the routing weights at the end, so order does not change the result.
     """
 
     def __init__(self, cache: ExpertCache, expert_wise: bool = True) -> None:
@@ -29,55 +33,58 @@ class ResidencyManager:
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         layer = module.moe_layer
-        groups = group_by_expert(top_k_index, module.num_experts)  # one bounded host read per layer
-        self.demand.setdefault(layer, set()).update(groups.experts)
-        self.working_sets.append(len(groups.experts))
-        rows = hidden.new_zeros(top_k_index.numel(), hidden.shape[-1])  # [T*k, H]
-        work = list(zip(groups.experts, groups.token_idx, groups.weight_idx))
+        experts = group_by_expert(top_k_index, module.num_experts).experts  # one bounded host read per layer
+        self.demand.setdefault(layer, set()).update(experts)
+        self.working_sets.append(len(experts))
+        rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         if self.expert_wise:
-            self._expert_wise(layer, module.act_fn, hidden, work, rows)
+            self._expert_wise(module, hidden, top_k_index, experts, rows)  # rows: [T*k, H]
         else:
-            self._token_wise(layer, module.act_fn, hidden, top_k_index, rows)
+            self._token_wise(module, hidden, top_k_index, rows)
         return combine_rows(rows, top_k_weights, hidden.dtype)
 
-    def _expert_wise(self, layer: int, act, hidden: torch.Tensor, work: list, rows: torch.Tensor) -> None:
-        cache = self.cache
-        hits = deque((e, tok, w, cache.acquire(layer, e)) for e, tok, w in work if cache.slot_of(layer, e) is not None)
-        pending = deque(item for item in work if cache.slot_of(layer, item[0]) is None)
-        loading: deque = deque()
-        self._issue_loads(layer, pending, loading)
-        while hits or loading:
-            e, tok, w, slot = hits.popleft() if hits else self._next_ready(layer, loading)
-            self._compute(layer, slot, act, hidden, tok, w, rows)
-            self._issue_loads(layer, pending, loading)
+    def _expert_wise(self, module, hidden, top_k_index, experts: list[int], rows) -> None:
+        layer, cache = module.moe_layer, self.cache
+        current = [(e, cache.acquire(layer, e)) for e in experts if cache.slot_of(layer, e) is not None]
+        pending = deque(e for e in experts if cache.slot_of(layer, e) is None)
+        arriving = self._load_wave(layer, pending)
+        while current or arriving:
+            self._run_wave(module, hidden, top_k_index, current, rows)
+            current, arriving = arriving, self._load_wave(layer, pending)
 
-    def _issue_loads(self, layer: int, pending: deque, loading: deque) -> None:
-        """Start copies for missing experts while an unprotected slot exists."""
+    def _load_wave(self, layer: int, pending: deque) -> list[tuple[int, int]]:
+        """Start copies of missing experts into every slot that is free of protection; (expert, slot) pairs."""
+        wave = []
         while pending and self.cache.has_free_slot(layer):
-            e, tok, w = pending.popleft()
-            loading.append((e, tok, w, self.cache.acquire(layer, e)))
+            expert = pending.popleft()
+            wave.append((expert, self.cache.acquire(layer, expert)))
+        return wave
 
-    def _next_ready(self, layer: int, loading: deque):
-        """The first loading expert whose copy has finished, else the oldest (non-blocking check)."""
-        for i, item in enumerate(loading):
-            if self.cache.streams.is_ready(self.cache.ready_event(layer, item[3])):
-                del loading[i]
-                return item
-        return loading.popleft()
+    def _run_wave(self, module, hidden, top_k_index, wave: list[tuple[int, int]], rows) -> None:
+        """All experts of a wave in one kernel call over the layer's slot buffer, then release their slots."""
+        if not wave:
+            return
+        layer, cache = module.moe_layer, self.cache
+        for _, slot in wave:
+            cache.streams.wait(cache.ready_event(layer, slot))
+        slot_of_expert = torch.full((module.num_experts,), -1, dtype=torch.long, pin_memory=hidden.is_cuda)
+        slot_of_expert[[e for e, _ in wave]] = torch.tensor([s for _, s in wave])  # pinned: an async copy
+        run = slot_moe_rows if hidden.is_cuda and TRITON_AVAILABLE else slot_moe_rows_reference
+        run(hidden, top_k_index, cache.buffers[layer], slot_of_expert.to(hidden.device, non_blocking=True),
+            module.intermediate_dim, rows, module.act_fn, workspace=VERIFY_WORKSPACE)
+        for _, slot in wave:
+            cache.release(layer, slot)
 
-    def _compute(self, layer: int, slot: int, act, hidden, tok, w, rows) -> None:
-        self.cache.streams.wait(self.cache.ready_event(layer, slot))
-        gate_up, down = self.cache.weights(layer, slot)
-        rows[w] = expert_mlp(hidden[tok], gate_up, down, act).to(rows.dtype)  # [n_e, H]
-        self.cache.release(layer, slot)
-
-    def _token_wise(self, layer: int, act, hidden: torch.Tensor, top_k_index: torch.Tensor, rows) -> None:
+    def _token_wise(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor, rows) -> None:
         """Ablation: conventional chronological verification, one GEMV per (token, slot), loading on demand."""
-        k = top_k_index.shape[1]
-        for flat, e in enumerate(top_k_index.reshape(-1).tolist()):
-            tok = torch.tensor([flat // k], device=hidden.device)
-            slot = self.cache.acquire(layer, e)
-            self._compute(layer, slot, act, hidden, tok, torch.tensor([flat], device=hidden.device), rows)
+        layer, k = module.moe_layer, top_k_index.shape[1]
+        for pair, expert in enumerate(top_k_index.reshape(-1).tolist()):
+            slot = self.cache.acquire(layer, expert)
+            self.cache.streams.wait(self.cache.ready_event(layer, slot))
+            gate_up, down = self.cache.weights(layer, slot)
+            token = hidden[pair // k: pair // k + 1]  # [1, H]
+            rows[pair] = expert_mlp(token, gate_up, down, module.act_fn)[0].float()
+            self.cache.release(layer, slot)
 
     def reset(self) -> None:
         self.demand, self.working_sets = {}, []

@@ -1,0 +1,229 @@
+"""Slot-buffer FP MoE Triton kernel against the torch reference: CPU interpreter cases, real shapes on CUDA."""
+import os
+import sys
+
+import torch
+
+# Same interpreter handling as tests/test_kernel_int4.py: TRITON_INTERPRET is read when @triton.jit
+# decorates a function, so it must be set before anything imports triton. Without CUDA and with
+# triton not yet imported, set it here and keep it; otherwise keep this process compiled (GPU class)
+# and run the CPU cases in a subprocess with the flag set.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" or (
+    "triton" not in sys.modules and not torch.cuda.is_available())
+if INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from specter.kernels import slot_moe as K  # noqa: E402
+from specter.kernels.int4_moe import KernelConfig, MoEWorkspace  # noqa: E402
+from specter.kernels.reference import combine_rows, expert_wise_moe  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SILU = torch.nn.functional.silu
+SENTINEL = 123.0
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="compiled-mode process: covered by the subprocess test")
+
+
+def test_interpreter_cases_in_subprocess():
+    """In a compiled-mode process (CUDA machine, or triton already imported), the CPU cases run in a fresh one."""
+    if INTERPRETED:
+        pytest.skip("this process runs the interpreter cases itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def make_store(experts, hidden, inter, gen, dtype=torch.float32, device="cpu"):
+    """All experts' flat weights [E, 3*I*H]: gate_up [2I, H] then down [H, I], scaled for O(1) outputs."""
+    gate_up = torch.randn(experts, 2 * inter * hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(experts, hidden * inter, generator=gen) / inter ** 0.5
+    return torch.cat([gate_up, down], dim=1).to(device, dtype)
+
+
+def make_routing(tokens, experts, k, gen):
+    """top_k_index [T, k], distinct experts per token, geometric popularity (some experts get nothing)."""
+    probs = 0.6 ** torch.arange(experts, dtype=torch.float)
+    return torch.multinomial(probs.expand(tokens, experts), k, replacement=False, generator=gen)
+
+
+def fill_slots(store, chosen, slots, gen):
+    """slot_buffer [S, 3IH] with `chosen` experts in random distinct slots (others garbage); slot_of_expert [E]."""
+    buf = torch.randn(slots, store.shape[1], generator=gen).to(store) * 100  # unused slots: loud garbage
+    slot_of = torch.full((store.shape[0],), -1, dtype=torch.long)
+    for e, s in zip(chosen, torch.randperm(slots, generator=gen)[:len(chosen)].tolist()):
+        slot_of[e] = s
+        buf[s] = store[e]
+    return buf, slot_of.to(store.device)
+
+
+def make_case(tokens, experts, slots, k, hidden, inter, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    store = make_store(experts, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen)  # [T, H]
+    idx = make_routing(tokens, experts, k, gen)  # [T, k]
+    chosen = torch.randperm(experts, generator=gen)[:slots].tolist()  # may include unrouted experts
+    buf, slot_of = fill_slots(store, chosen, slots, gen)
+    return store, x, idx, buf, slot_of
+
+
+def sentinel_rows(idx, hidden, device="cpu"):
+    return torch.full((idx.numel(), hidden), SENTINEL, dtype=torch.float32, device=device)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+# (T, E, S, k, H, I): T in {1, 5, 17, 40}, E in {4, 8}, S in {1, 3, 8}, k in {1, 2, 4}, H and I in {128, 256}
+CPU_CASES = [
+    (1, 4, 1, 1, 128, 128),
+    (1, 8, 8, 4, 256, 128),
+    (5, 4, 3, 2, 128, 256),
+    (5, 8, 3, 4, 128, 128),
+    (17, 8, 8, 2, 128, 128),  # every expert has a slot
+    (17, 4, 1, 4, 256, 256),
+    (40, 8, 3, 1, 128, 128),  # the hot expert spans several M-blocks (if it has a slot)
+    (40, 4, 3, 2, 128, 128),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "T{}-E{}-S{}-k{}-H{}-I{}".format(*c))
+def test_matches_reference_and_skips_fp32(case):
+    tokens, experts, slots, k, hidden, inter = case
+    _, x, idx, buf, slot_of = make_case(*case, seed=sum(case))
+    out, ref = sentinel_rows(idx, hidden), sentinel_rows(idx, hidden)
+    K.slot_moe_rows(x, idx, buf, slot_of, inter, out, SILU)
+    K.slot_moe_rows_reference(x, idx, buf, slot_of, inter, ref, SILU)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    computed = slot_of[idx.reshape(-1)] >= 0  # [T*k]
+    assert torch.all(out[~computed] == SENTINEL)  # skipped experts' rows untouched
+    assert not torch.any(out[computed] == SENTINEL)
+
+
+@interpreted
+@pytest.mark.parametrize("case", [(17, 8, 2, 128, 128), (40, 4, 2, 128, 256)])
+def test_disjoint_calls_equal_full_call_and_expert_wise(case):
+    tokens, experts, k, hidden, inter = case
+    gen = torch.Generator().manual_seed(tokens)
+    store = make_store(experts, hidden, inter, gen)
+    x, idx = torch.randn(tokens, hidden, generator=gen), make_routing(tokens, experts, k, gen)
+    w = torch.randn(tokens, k, generator=gen).softmax(-1)  # [T, k]
+    full = sentinel_rows(idx, hidden)
+    K.slot_moe_rows(x, idx, store, torch.arange(experts), inter, full)  # the store as an all-experts buffer
+    perm = torch.randperm(experts, generator=gen).tolist()
+    parts, ws = sentinel_rows(idx, hidden), MoEWorkspace()
+    for subset in (perm[:experts // 2], perm[experts // 2:]):
+        buf, slot_of = fill_slots(store, subset, len(subset) + 1, gen)  # one spare (garbage) slot
+        K.slot_moe_rows(x, idx, buf, slot_of, inter, parts, workspace=ws)
+    torch.testing.assert_close(parts, full, rtol=1e-5, atol=1e-6)
+    assert not torch.any(full == SENTINEL)
+    ref = expert_wise_moe(x, idx, w, lambda e: K.slot_views(store, e, inter), experts, SILU)
+    torch.testing.assert_close(combine_rows(full, w, x.dtype), ref, rtol=1e-4, atol=1e-5)
+
+
+@interpreted
+def test_fp16_non_default_tiles_and_workspace_reuse():
+    store, x, idx, buf, slot_of = make_case(17, 8, 3, 2, 128, 256, seed=3)
+    buf, x = buf.half(), x.half()
+    ref = sentinel_rows(idx, 128)
+    K.slot_moe_rows_reference(x, idx, buf, slot_of, 256, ref)
+    ws, cfg = MoEWorkspace(), KernelConfig(block_m=32, block_n=128, block_k=128)
+    first = sentinel_rows(idx, 128)
+    K.slot_moe_rows(x, idx, buf, slot_of, 256, first, workspace=ws, config=cfg)
+    ptrs = {key: b.data_ptr() for key, b in ws._buffers.items()}
+    second = sentinel_rows(idx[:5], 128)
+    K.slot_moe_rows(x[:5], idx[:5], buf, slot_of, 256, second, workspace=ws, config=cfg)
+    assert {key: b.data_ptr() for key, b in ws._buffers.items()} == ptrs  # smaller call: no reallocation
+    computed = slot_of[idx.reshape(-1)] >= 0
+    assert rel_err(first[computed], ref[computed]) < 5e-3 and torch.equal(first[~computed], ref[~computed])
+    torch.testing.assert_close(second, first[:10], rtol=1e-3, atol=1e-3)
+
+
+@interpreted
+def test_all_skipped_and_zero_tokens():
+    _, x, idx, buf, slot_of = make_case(5, 4, 2, 2, 128, 128)
+    rows = sentinel_rows(idx, 128)
+    K.slot_moe_rows(x, idx, buf, torch.full_like(slot_of, -1), 128, rows)
+    assert torch.all(rows == SENTINEL)
+    K.slot_moe_rows(x[:0], idx[:0], buf, slot_of, 128, rows[:0])
+
+
+def test_argument_checks():
+    _, x, idx, buf, slot_of = make_case(3, 4, 2, 2, 128, 128)
+    rows = sentinel_rows(idx, 128)
+    with pytest.raises(ValueError, match="SiLU"):
+        K.slot_moe_rows(x, idx, buf, slot_of, 128, rows, torch.nn.functional.gelu)
+    with pytest.raises(ValueError, match="rows must be fp32"):
+        K.slot_moe_rows(x, idx, buf, slot_of, 128, rows.half())
+    with pytest.raises(ValueError, match="slot_buffer"):
+        K.slot_moe_rows(x, idx, buf, slot_of, 256, rows)
+    assert K.TRITON_AVAILABLE
+
+
+def test_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, specter.kernels.slot_moe as m\n"
+            "assert not m.TRITON_AVAILABLE\n"
+            "try:\n    m.slot_moe_rows(*[torch.zeros(1, 1)] * 4, 1, torch.zeros(1, 1))\n"
+            "except RuntimeError:\n    pass\nelse:\n    raise SystemExit('no RuntimeError')\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+# Real target shapes (hidden, intermediate, experts, slots, top_k); fp16 on CUDA with the compiled kernels.
+GPU_SHAPES = {"dsv2-lite": (2048, 1408, 64, 16, 6), "phi3.5-moe": (4096, 6400, 16, 2, 2)}
+
+
+@pytest.mark.gpu
+class TestCuda:
+    @pytest.fixture(scope="class")
+    def kernels(self):
+        if INTERPRETED:
+            pytest.skip("TRITON_INTERPRET=1 in this process: the real shapes need the compiled kernels")
+        return K
+
+    @pytest.fixture(scope="class", params=list(GPU_SHAPES))
+    def layer(self, request):
+        hidden, inter, experts, slots, k = GPU_SHAPES[request.param]
+        torch.manual_seed(0)
+        buf = torch.randn(slots, 3 * inter * hidden, device="cuda", dtype=torch.float16) * 0.02
+        slot_of = torch.full((experts,), -1, dtype=torch.long)
+        slot_of[torch.randperm(experts)[:slots]] = torch.randperm(slots)
+        return buf, slot_of.cuda(), hidden, inter, experts, k
+
+    def case(self, layer, tokens):
+        buf, slot_of, hidden, inter, experts, k = layer
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.float16)
+        idx = torch.rand(tokens, experts, device="cuda").topk(k).indices  # [T, k]
+        return x, idx, sentinel_rows(idx, hidden, "cuda")
+
+    @pytest.mark.parametrize("tokens", [1, 17, 64])
+    def test_matches_reference(self, kernels, layer, tokens):
+        buf, slot_of, hidden, inter, experts, k = layer
+        x, idx, out = self.case(layer, tokens)
+        ref = out.clone()
+        kernels.slot_moe_rows(x, idx, buf, slot_of, inter, out, workspace=MoEWorkspace())
+        kernels.slot_moe_rows_reference(x, idx, buf, slot_of, inter, ref)
+        computed = slot_of[idx.reshape(-1)] >= 0
+        assert torch.all(out[~computed] == SENTINEL) and torch.isfinite(out).all()
+        if computed.any():
+            assert rel_err(out[computed], ref[computed]) < 1e-2
+
+    def test_call_does_not_synchronize(self, kernels, layer):
+        buf, slot_of, hidden, inter, experts, k = layer
+        x, idx, out = self.case(layer, 16)
+        ws = MoEWorkspace()
+        kernels.slot_moe_rows(x, idx, buf, slot_of, inter, out, workspace=ws)  # compile outside the check
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            kernels.slot_moe_rows(x, idx, buf, slot_of, inter, out, workspace=ws)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
