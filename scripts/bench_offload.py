@@ -49,6 +49,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "hit_rate": mean("hit_rate"), "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
         "h2d_gbps": mean("h2d_gbps"), "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
+        "draft_step_ms": mean("draft_ms") / mean("draft_tokens"), "draft_graph": runs[0].get("draft_graph"),
         "verify_ms_per_token": mean("verify_ms") / mean("generated_tokens"),
         "prefetch_precision": mean("prefetch_precision"), "prefetch_recall": mean("prefetch_recall"),
         "io_floor_ms_per_token": floor,
@@ -72,8 +73,8 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[
         ("target_only_offload", TargetOnly(model, slots)),
         ("specter_no_prefetch", specter.SpecterEngine(model, specter.SpecterConfig(k=k, resident_experts_per_layer=slots, prefetch=False))),
         ("specter", specter.SpecterEngine(model, specter.SpecterConfig(k=k, resident_experts_per_layer=slots))),
-        ("specter_lookahead_evict", specter.SpecterEngine(model, specter.SpecterConfig(
-            k=k, resident_experts_per_layer=slots, eviction="lookahead"))),
+        ("specter_eager_draft", specter.SpecterEngine(model, specter.SpecterConfig(
+            k=k, resident_experts_per_layer=slots, cuda_graph=False))),
     ]
     for label, system in systems:
         t1 = time.time()
@@ -89,7 +90,7 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[
 
 def print_table(rows: list[dict]) -> None:
     cols = ["system", "tpot_ms", "acceptance", "hit_rate", "h2d_mb_per_token", "h2d_gbps", "wait_ms_per_token",
-            "draft_ms_per_token", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
+            "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
             "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))
     for r in rows:
@@ -100,8 +101,10 @@ def print_table(rows: list[dict]) -> None:
         print(" | ".join(cells))
     spec = next(r for r in rows if r["system"] == "specter")
     base = next(r for r in rows if r["system"] == "target_only_offload")
+    eager = next(r for r in rows if r["system"] == "specter_eager_draft")
     print(f"specter vs target-only (same cache): {base['tpot_ms'] / spec['tpot_ms']:.2f}x TPOT; "
-          f"specter TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}")
+          f"specter TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}; draft step "
+          f"graph {spec['draft_step_ms']:.2f} ms vs eager {eager['draft_step_ms']:.2f} ms ({spec['draft_graph']})")
 
 
 def main() -> None:

@@ -48,3 +48,15 @@ def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
         out = specter.SpecterEngine(model, specter.SpecterConfig(k=16, resident_experts_per_layer=slots)).generate(ids, 24)
         assert len(out.token_ids) == 24 and out.stats["misses"] > 0
         assert model.offload.cache.buffers[0].shape[0] == slots
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
+def test_draft_graph_replay_gives_the_eager_tokens(name):
+    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+    ids = prompt()
+    eager = specter.SpecterEngine(model, specter.SpecterConfig(k=6, cuda_graph=False)).generate(ids, 40)
+    graphed = specter.SpecterEngine(model, specter.SpecterConfig(k=6, resident_experts_per_layer=2))
+    first, second = graphed.generate(ids, 40), graphed.generate(ids, 40)  # capture once, replay after
+    assert first.stats["draft_graph"] == "on", first.stats["draft_graph"]
+    assert first.token_ids == second.token_ids == eager.token_ids
+    assert first.stats["acceptance_rate"] == eager.stats["acceptance_rate"]

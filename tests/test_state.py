@@ -56,3 +56,18 @@ def test_crop_to_current_length_is_a_no_op():
     assert cache.get_seq_length() == 4
     crop_cache(cache, 2)
     assert cache.get_seq_length() == 2
+
+
+def test_static_cache_decoding_equals_hf_generate(tiny_name):
+    """The CUDA path's static KV cache (rollback = moving its device-side length) is lossless too."""
+    from specter.spec.state import new_static_cache
+    from tests.conftest import hf_greedy
+
+    model = tiny_model(tiny_name)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4))
+    cache = new_static_cache(model, 96)
+    engine._static_cache = lambda length: cache
+    for text in ("Natalia sold clips", "def f(x):"):
+        out = engine.generate(prompt(text), 32)
+        assert out.token_ids == hf_greedy(tiny_name, prompt(text), 32)
+    assert out.stats["draft_graph"] == "off"  # no CUDA here: eager draft steps over the static cache
