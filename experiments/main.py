@@ -48,7 +48,7 @@ def run(cfg: DictConfig) -> Path:
     config = specter_config(cfg, choice.spec)
     out_dir = results_dir(cfg, choice.spec)
     model = specter.load_model(choice.source, synthetic=choice.synthetic, device=choice.device,
-                               dtype=choice.dtype, seed=int(cfg.seed))
+                               dtype=choice.dtype, seed=int(cfg.seed), draft=choice.draft)
     prompts = prompt_ids(model, list(cfg.dataset.prompts)[: cfg.num_prompts], cfg.prefix_tokens)
     systems = [build_system(name, model, config) for name in cfg.systems]
     rows = run_systems(systems, prompts, cfg.max_new_tokens, strict=cfg.strict)

@@ -24,6 +24,7 @@ class ModelChoice:
     checkpoint: str | None
     device: str | None
     dtype: torch.dtype | None
+    draft: str | None = None
 
     @property
     def source(self) -> str:
@@ -42,7 +43,8 @@ def model_choice(cfg) -> ModelChoice:
         raise SpecterError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     checkpoint = None if synthetic or cfg.model.checkpoint is None else str(cfg.model.checkpoint)
-    return ModelChoice(spec, synthetic, checkpoint, device, dtype)
+    draft = None if cfg.model.get("draft") is None else str(cfg.model.draft)
+    return ModelChoice(spec, synthetic, checkpoint, device, dtype, draft)
 
 
 def resident_slots(cfg, spec: ModelSpec) -> int:

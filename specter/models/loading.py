@@ -13,6 +13,7 @@ from specter.models.host_experts import build_synthetic_on_host, hybridize_to_ho
 from specter.models.hybrid import HybridMoEModel, hybridize
 from specter.models.registry import REGISTRY, ModelSpec, get_spec, spec_for_model_type
 from specter.models.tokenizer import ByteTokenizer
+from specter.quant.draft_io import load_draft
 
 DOWNLOAD_HINT = "run `python initialization/download_models.py --manifest initialization/model-assets.json --output DIR`"
 
@@ -73,6 +74,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     experts_on_host: bool = False,
+    draft: str | os.PathLike | None = None,
 ) -> HybridMoEModel:
     """A shared-instance hybrid model.
 
@@ -82,7 +84,16 @@ def load_model(
     experts_on_host: put the FP routed experts straight into the (pinned) host store, so the device
       never holds them all (required when they do not fit, e.g. Phi-3.5-MoE on a 40 GB card); the
       engine then serves them through its expert cache. A checkpoint is read on the CPU first.
+    draft: a directory written by initialization/quantize_draft.py (GPTQ INT4 draft, checksummed);
+      without it the draft is round-to-nearest INT4, quantized at load time.
     """
+    model = _load(name_or_path, synthetic, device, dtype, seed, experts_on_host)
+    if draft is not None:
+        load_draft(model, draft)
+    return model
+
+
+def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bool) -> HybridMoEModel:
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     name = str(name_or_path)
