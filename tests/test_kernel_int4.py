@@ -1,25 +1,9 @@
 """Fused INT4 MoE Triton kernel against the torch reference: CPU interpreter cases, real shapes on CUDA."""
-import os
-import sys
+from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_cases  # noqa: F401 (before triton)
 
-import torch
-
-# Triton's interpreter mode is process-wide: TRITON_INTERPRET is read whenever @triton.jit decorates
-# a function, i.e. when triton imports its own language library and when a kernel module is imported
-# (not at launch). Setting it after `import triton` gives a half-interpreted triton that fails at the
-# first launch. So: on a machine without CUDA, set it here, before anything imports triton, and leave
-# it set (nothing can run compiled there anyway). With CUDA, or if triton is already imported in
-# compiled mode (transformers/torch._dynamo import it when a model loads), keep this process compiled
-# for the GPU class and run the CPU cases in a subprocess with the flag set.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" or (
-    "triton" not in sys.modules and not torch.cuda.is_available())
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -27,19 +11,12 @@ from specter.kernels import int4_moe as K  # noqa: E402
 from specter.kernels.reference import int4_moe_reference  # noqa: E402
 from specter.quant.int4 import quantize_rtn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SILU = torch.nn.functional.silu
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="compiled-mode process: covered by the subprocess test")
 
 
 def test_interpreter_cases_in_subprocess():
     """In a compiled-mode process (CUDA machine), the CPU interpreter cases run in a fresh interpreter."""
-    if INTERPRETED:
-        pytest.skip("this process runs the interpreter cases itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    run_interpreter_cases(__file__)
 
 
 def make_routing(tokens: int, experts: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:

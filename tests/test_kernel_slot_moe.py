@@ -1,22 +1,11 @@
 """Slot-buffer FP MoE Triton kernel against the torch reference: CPU interpreter cases, real shapes on CUDA."""
-import os
-import sys
-
-import torch
-
-# Same interpreter handling as tests/test_kernel_int4.py: TRITON_INTERPRET is read when @triton.jit
-# decorates a function, so it must be set before anything imports triton. Without CUDA and with
-# triton not yet imported, set it here and keep it; otherwise keep this process compiled (GPU class)
-# and run the CPU cases in a subprocess with the flag set.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" or (
-    "triton" not in sys.modules and not torch.cuda.is_available())
-if INTERPRETED:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_cases  # noqa: F401 (before triton)
 
 import subprocess  # noqa: E402
-from pathlib import Path  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -24,20 +13,13 @@ from specter.kernels import slot_moe as K  # noqa: E402
 from specter.kernels.int4_moe import KernelConfig, MoEWorkspace  # noqa: E402
 from specter.kernels.reference import combine_rows, expert_wise_moe  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SILU = torch.nn.functional.silu
 SENTINEL = 123.0
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="compiled-mode process: covered by the subprocess test")
 
 
 def test_interpreter_cases_in_subprocess():
     """In a compiled-mode process (CUDA machine, or triton already imported), the CPU cases run in a fresh one."""
-    if INTERPRETED:
-        pytest.skip("this process runs the interpreter cases itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", __file__]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    run_interpreter_cases(__file__)
 
 
 def make_store(experts, hidden, inter, gen, dtype=torch.float32, device="cpu"):

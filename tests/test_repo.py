@@ -1,7 +1,6 @@
 """Repository contracts: SHA256SUMS is current, CI runs the README's commands, every module says its job."""
 import ast
 import hashlib
-import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
