@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import specter  # noqa: E402
 from specter.errors import SpecterError  # noqa: E402
+from specter.models.loading import check_model_source  # noqa: E402
 from specter.quant.draft_io import MANIFEST_FILE, WEIGHTS_FILE, save_draft  # noqa: E402
 from specter.quant.gptq import quantize_experts_gptq, quantize_experts_rtn  # noqa: E402
 
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> Path:
         raise SpecterError("--num-prompts and --tokens must be at least 1")
     if args.layers_per_pass is not None and args.layers_per_pass < 1:
         raise SpecterError("--layers-per-pass must be at least 1")
+    check_model_source(args.model)  # a bad model is reported before anything else is read
     kind, path, texts = calibration_texts(args.calibration, args.calibration_file, args.method)
     model = specter.load_model(args.model, synthetic=args.synthetic, device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None, seed=args.seed,

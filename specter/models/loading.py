@@ -67,6 +67,17 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype):
     return model.eval(), tokenizer, spec
 
 
+def check_model_source(name_or_path: str | os.PathLike) -> None:
+    """Raise the one-line error load_model would give for an unknown name or a bad checkpoint path, cheaply."""
+    name = str(name_or_path)
+    if name in REGISTRY:
+        return
+    if Path(name).exists() or os.sep in name or "/" in name:
+        _validate_checkpoint(Path(name))
+    else:
+        get_spec(name)
+
+
 def load_model(
     name_or_path: str | os.PathLike,
     synthetic: bool | None = None,
