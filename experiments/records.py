@@ -1,6 +1,7 @@
-"""Result rows: one per (prompt, system); written as records.csv and summary.csv, printed as a table."""
+"""Result rows: one per (dataset, prompt, repeat, system), appended to records.csv as they come; summaries."""
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -12,44 +13,98 @@ ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_l
              "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
              "h2d_bytes_per_token", "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
              "prefetch_precision", "prefetch_recall")
+KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens")
+FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target")
 
 
-def record(system: str, prompt_id: int, result: GenerationResult, reference: list[int] | None) -> dict:
-    """One result row; `reference` is target-only's tokens for the same prompt (None when not run)."""
-    row = {"system": system, "prompt_id": prompt_id, "status": "ok"}
-    row.update({key: result.stats.get(key, float("nan")) for key in ROW_STATS})
+def record(key: dict, result: GenerationResult, reference: list[int] | None) -> dict:
+    """One result row; `reference` is target-only's tokens for the same case (None when not run)."""
+    row = {**key, "status": "ok"}
+    row.update({stat: result.stats.get(stat, float("nan")) for stat in ROW_STATS})
     row["accepted_length_histogram"] = json.dumps(result.stats.get("accepted_length_histogram", {}))
     row["tokens_match_target"] = "" if reference is None else ("yes" if result.token_ids == reference else "no")
     return row
 
 
-def unavailable(system: str, reason: str) -> dict:
-    """The row of a system that cannot run here: a reason, never a number."""
-    return {"system": system, "prompt_id": -1, "status": f"unavailable: {reason}"}
+def unavailable(key: dict, reason: str) -> dict:
+    """The row of a system or dataset that cannot run here: a reason, never a number."""
+    return {**key, "status": f"unavailable: {reason}"}
 
 
-def summarize(records: pd.DataFrame) -> pd.DataFrame:
-    """Per system: mean TPOT/TTFT, acceptance, whether every output matched target-only, and speedup."""
-    ok = records[records.status == "ok"]
-    summary = ok.groupby("system", sort=False).agg(
-        tpot_ms=("tpot_ms", "mean"), ttft_ms=("ttft_ms", "mean"), acceptance_rate=("acceptance_rate", "mean"),
-        mean_accepted_length=("mean_accepted_length", "mean"), hit_rate=("hit_rate", "mean"),
-        h2d_mb_per_token=("h2d_bytes_per_token", lambda s: s.mean() / 1e6), prompts=("prompt_id", "nunique"),
-        tokens_identical=("tokens_match_target", lambda s: "yes" if (s == "yes").all() else
-                          ("" if (s == "").all() else "no")),
-    ).reset_index()
-    if "specter" in set(summary.system):
-        specter_tpot = summary.loc[summary.system == "specter", "tpot_ms"].iloc[0]
-        summary["specter_speedup"] = summary.tpot_ms / specter_tpot
-    missing = records[records.status != "ok"][["system", "status"]].drop_duplicates()
-    return pd.concat([summary, missing], ignore_index=True) if len(missing) else summary
+class RecordWriter:
+    """Appends rows to <dir>/records.csv as they are produced (a crash keeps what was measured).
+
+    With `resume`, rows already in the file are kept and `done(key)` tells which cases to skip.
+    """
+
+    def __init__(self, out_dir: Path, resume: bool = False) -> None:
+        self.path = out_dir / "records.csv"
+        self.rows: list[dict] = []
+        if resume and self.path.exists():
+            self.rows = pd.read_csv(self.path, keep_default_na=False).to_dict("records")
+        else:
+            with open(self.path, "w", newline="") as f:
+                csv.DictWriter(f, fieldnames=FIELDS).writeheader()
+        self._done = {self._key(r) for r in self.rows if r.get("status") == "ok"}
+
+    @staticmethod
+    def _key(row: dict) -> tuple:
+        return tuple(str(row.get(k, "")) for k in KEY)
+
+    def done(self, key: dict) -> bool:
+        return self._key(key) in self._done
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if row.get("status") == "ok":
+            self._done.add(self._key(row))
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore").writerow(row)
 
 
-def write_tables(out_dir: Path, rows: list[dict]) -> pd.DataFrame:
-    """Write records.csv and summary.csv into the (new) results directory; returns the summary."""
-    records = pd.DataFrame(rows)
-    summary = summarize(records)
-    records.to_csv(out_dir / "records.csv", index=False)
+def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")) -> pd.DataFrame:
+    """Mean metrics per group plus an AVG row per system; Specter's TPOT speedup over each system."""
+    missing = records[records.status != "ok"][[c for c in ("system", "dataset", "status") if c in records]]
+    ok = records[records.status == "ok"].copy()
+    if ok.empty:
+        return missing.drop_duplicates().reset_index(drop=True)
+    for col in ROW_STATS:
+        ok[col] = pd.to_numeric(ok[col], errors="coerce")
+    metrics = {"tpot_ms": "mean", "ttft_ms": "mean", "acceptance_rate": "mean", "mean_accepted_length": "mean",
+               "hit_rate": "mean", "h2d_bytes_per_token": "mean", "prompt_id": "nunique"}
+    summary = ok.groupby(list(by), sort=False).agg(metrics).reset_index().rename(columns={"prompt_id": "prompts"})
+    summary["h2d_mb_per_token"] = summary.pop("h2d_bytes_per_token") / 1e6
+    summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]
+    if "dataset" in by:
+        avg = summary.groupby([c for c in by if c != "dataset"], sort=False).mean(numeric_only=True).reset_index()
+        avg["dataset"] = "AVG"
+        avg["tokens_identical"] = ""
+        summary = pd.concat([summary, avg], ignore_index=True)
+    summary = _with_speedup(summary, [c for c in by if c != "system"])
+    return pd.concat([summary, missing.drop_duplicates()], ignore_index=True) if len(missing) else summary
+
+
+def _identical(ok: pd.DataFrame, row, by) -> str:
+    mask = pd.Series(True, index=ok.index)
+    for col in by:
+        mask &= ok[col] == row[col]
+    checks = ok[mask].tokens_match_target.astype(str)
+    checks = checks[checks != ""]
+    return "" if checks.empty else ("yes" if (checks == "yes").all() else "no")
+
+
+def _with_speedup(summary: pd.DataFrame, group: list[str]) -> pd.DataFrame:
+    """specter_speedup = this system's TPOT / Specter's TPOT in the same group (dataset, k, ...)."""
+    specter = summary[summary.system == "specter"].set_index(group)["tpot_ms"] if group else None
+    if specter is None or specter.empty:
+        return summary
+    keys = summary[group].apply(tuple, axis=1) if len(group) > 1 else summary[group[0]]
+    summary["specter_speedup"] = summary.tpot_ms.values / keys.map(specter).values
+    return summary
+
+
+def write_summary(out_dir: Path, rows: list[dict], by: tuple[str, ...] = ("system", "dataset")) -> pd.DataFrame:
+    summary = summarize(pd.DataFrame(rows), by)
     summary.to_csv(out_dir / "summary.csv", index=False)
     return summary
 

@@ -1,10 +1,14 @@
 """Turn a composed Hydra config into plain values: the model to load, the memory budget, the Specter config."""
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
@@ -61,27 +65,73 @@ def resident_slots(cfg, spec: ModelSpec) -> int:
         raise SpecterError(f"{spec.name} has no memory preset {cfg.mem.preset!r}; known: {known}") from None
 
 
-def specter_config(cfg, spec: ModelSpec) -> SpecterConfig:
-    k = spec.default_k if cfg.k is None else cfg.k
+def specter_config(cfg, spec: ModelSpec, k: int | None = None) -> SpecterConfig:
+    """The run's SpecterConfig; k: the argument, else cfg.k (null = the model's default, auto = the
+    best K found by experiment=depth for this model and memory setting)."""
+    if k is None:
+        k = spec.default_k if cfg.k is None else (profiled_k(cfg, spec) if cfg.k == "auto" else int(cfg.k))
     return SpecterConfig(k=k, resident_experts_per_layer=resident_slots(cfg, spec),
                          temperature=float(cfg.temperature), seed=int(cfg.seed))
 
 
-def results_dir(cfg, spec: ModelSpec) -> Path:
-    """Where this run writes; never an existing directory.
+def profiled_k(cfg, spec: ModelSpec) -> int:
+    """The depth experiment's best K for this model: this memory setting's profile, else the high one's."""
+    depth = Path(cfg.results_root) / "depth"
+    for mem in (cfg.mem.name, "high"):
+        path = depth / f"{spec.name}-{mem}" / "best_k.json"
+        if path.is_file():
+            return int(json.loads(path.read_text())["best_k"])
+    raise SpecterError(f"k=auto needs {depth / f'{spec.name}-{cfg.mem.name}' / 'best_k.json'}: run "
+                       f"`python -m experiments.main experiment=depth model={cfg.model.name} mem={cfg.mem.name}` first")
 
-    An explicit results_dir that exists is refused; the default results/<experiment>/<model>-<mem>
-    gets a numeric suffix (.1, .2, ...) instead, so repeated runs keep every earlier result.
+
+def results_dir(cfg) -> tuple[Path, bool]:
+    """(where this run writes, whether it resumes an earlier run there); never overwrites.
+
+    An explicit results_dir that exists is refused unless resume=true; the default
+    results/<experiment>/<model>-<mem> gets a numeric suffix (.1, .2, ...) instead, or with
+    resume=true is continued (its finished cases are skipped).
     """
     if cfg.results_dir is not None:
         path = Path(cfg.results_dir)
-        if path.exists():
+        if path.exists() and not cfg.resume:
             raise SpecterError(f"results directory {path} already exists; it is never overwritten: "
-                               f"pass another results_dir=")
-        return path
-    base = Path("results") / cfg.experiment / f"{spec.name}-{cfg.mem.name}"
+                               f"pass another results_dir= or resume=true")
+        return path, path.exists()
+    base = Path(cfg.results_root) / cfg.experiment.name / f"{get_spec(cfg.model.name).name}-{cfg.mem.name}"
+    if cfg.resume:
+        return base, base.exists()
     path, n = base, 0
     while path.exists():
         n += 1
         path = base.with_name(f"{base.name}.{n}")
-    return path
+    return path, False
+
+
+def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
+    """run.json: resolved config, git commit, device, package versions, and whether the run finished."""
+    info = {
+        "complete": complete,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "git_commit": _git_commit(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
+                                                       "hydra-core", "datasets")},
+    }
+    (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None

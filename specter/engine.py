@@ -81,6 +81,8 @@ class SpecterEngine:
             metrics.commit(len(new_tokens))
             metrics.window(k, accepted)
             routed = self._take_target_routing()
+            if routed:
+                self._window_sets.append(sum(len(s) for s in routed.values()) / len(routed))
             if self.planner.traces:
                 quality.add(self.planner.traces[-1].planned, routed)
             self._count_io_floor(routed)
@@ -176,6 +178,7 @@ class SpecterEngine:
         self.planner.reset()
         self.elb.clear()
         self._io_floor_bytes = 0
+        self._window_sets: list[float] = []  # per verify window: distinct experts per layer (mean over layers)
         if not self.config.greedy:
             self.generator = torch.Generator(device=self.model.device)
             self.generator.manual_seed(self.config.seed)
@@ -204,6 +207,7 @@ class SpecterEngine:
             stats.update(quality.stats())
             stats["prefetch_trace"] = [t.as_dict() for t in self.planner.traces]
             stats["io_floor_bytes"] = self._io_floor_bytes
+            stats["window_working_sets"] = list(self._window_sets)
         return stats
 
 

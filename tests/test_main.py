@@ -54,7 +54,7 @@ def run_main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_main_writes_tables_and_never_overwrites(tmp_path):
     out = tmp_path / "run"
-    args = (f"results_dir={out}", "num_prompts=2", "max_new_tokens=12", "strict=true", "device=cpu")
+    args = (f"results_dir={out}", "num_prompts=2", "repeats=1", "max_new_tokens=12", "strict=true", "device=cpu")
     first = run_main(*args, cwd=ROOT)
     assert first.returncode == 0, first.stderr
     assert {p.name for p in out.iterdir()} == {"records.csv", "summary.csv", "run.json"}
@@ -72,11 +72,11 @@ def test_main_writes_tables_and_never_overwrites(tmp_path):
 def test_default_results_dir_gets_a_new_suffix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = compose_with()
-    spec = model_choice(cfg).spec
-    first = results_dir(cfg, spec)
-    assert first == Path("results/main/tiny-dsv2-high")
+    first, resumed = results_dir(cfg)
+    assert first == Path("results/main/tiny-dsv2-high") and not resumed
     first.mkdir(parents=True)
-    assert results_dir(cfg, spec) == Path("results/main/tiny-dsv2-high.1")
+    assert results_dir(cfg) == (Path("results/main/tiny-dsv2-high.1"), False)
+    assert results_dir(compose_with("resume=true")) == (first, True)
 
 
 @pytest.mark.parametrize("args,message", [

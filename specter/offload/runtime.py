@@ -38,6 +38,7 @@ class OffloadRuntime:
             "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
             **self.streams.stats(),
             "working_set_mean": mean(sets) if sets else float("nan"),
+            "routing_counts": [self.residency.routing_counts.get(layer, []) for layer in range(len(self.cache.layers))],
             "resident_experts_per_layer": self.cache.slots_per_layer,
             "eviction_policy": self.cache.policy.name,
         }

@@ -29,12 +29,17 @@ class ResidencyManager:
         self.expert_wise = expert_wise
         self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
+        self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens routed to each expert (target)
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         layer = module.moe_layer
-        experts = group_by_expert(top_k_index, module.num_experts).experts  # one bounded host read per layer
+        groups = group_by_expert(top_k_index, module.num_experts)  # one bounded host read per layer
+        experts = groups.experts
         self.demand.setdefault(layer, set()).update(experts)
+        counts = self.routing_counts.setdefault(layer, [0] * module.num_experts)
+        for expert, tokens in zip(experts, groups.token_idx):
+            counts[expert] += len(tokens)
         self.working_sets.append(len(experts))
         rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         if self.expert_wise:
@@ -87,7 +92,7 @@ class ResidencyManager:
             self.cache.release(layer, slot)
 
     def reset(self) -> None:
-        self.demand, self.working_sets = {}, []
+        self.demand, self.working_sets, self.routing_counts = {}, [], {}
 
     def take_demand(self) -> dict[int, set]:
         """The target's routing since the last call (one verify window), cleared."""

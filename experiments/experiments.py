@@ -1,0 +1,96 @@
+"""The paper's experiments: main comparison, speculation depth, prefix length, routing diversity, kernel."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import specter
+from experiments.datasets import prompts_for
+from experiments.protocol import encode_prompts, run_cases
+from experiments.routing import run_routing
+from experiments.settings import model_choice, specter_config
+from experiments.systems import build_system
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(cfg):
+    """(model, SpecterConfig) of the run."""
+    choice = model_choice(cfg)
+    config = specter_config(cfg, choice.spec)
+    model = specter.load_model(choice.source, synthetic=choice.synthetic, device=choice.device,
+                               dtype=choice.dtype, seed=int(cfg.seed), draft=choice.draft)
+    return model, config
+
+
+def header(model, config, cfg, what: str) -> str:
+    return (f"{what}: {model.spec.name} ({cfg.model.weights}), K={config.k}, {config.resident_experts_per_layer} "
+            f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
+            f"{cfg.max_new_tokens} tokens on {model.device}")
+
+
+def run_main(cfg, out_dir: Path, open_writer):
+    """Every configured system on every dataset's prompts (Figure 14)."""
+    model, config = load(cfg)
+    prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
+    systems = [build_system(name, model, config) for name in cfg.systems]
+    run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(), cfg.strict,
+              tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens})
+    return header(model, config, cfg, "main"), ("system", "dataset")
+
+
+def run_depth(cfg, out_dir: Path, open_writer):
+    """TPOT of Specter for each K (Figure 7); the best K by mean TPOT is saved for k=auto."""
+    model, config = load(cfg)
+    prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
+    writer = open_writer()
+    ks = list(cfg.experiment.k_values)
+    for repeat in range(cfg.repeats):
+        for k in ks[repeat % len(ks):] + ks[: repeat % len(ks)]:  # candidate order rotated per repeat
+            engine = build_system("specter", model, specter_config(cfg, model.spec, k=k))
+            run_cases([engine], prompts, 1, cfg.max_new_tokens, writer, tags={"k": k, "prefix_tokens": cfg.prefix_tokens},
+                      repeat_offset=repeat)
+    best = best_k(writer.rows)
+    (out_dir / "best_k.json").write_text(json.dumps({"model": model.spec.name, "mem": cfg.mem.name, "best_k": best}))
+    return header(model, config, cfg, f"depth (best K = {best})"), ("system", "k")
+
+
+def best_k(rows: list[dict]) -> int:
+    tpot: dict[int, list[float]] = {}
+    for row in rows:
+        if row.get("status") == "ok":
+            tpot.setdefault(int(row["k"]), []).append(float(row["tpot_ms"]))
+    return min(tpot, key=lambda k: sum(tpot[k]) / len(tpot[k]))
+
+
+def run_prefix(cfg, out_dir: Path, open_writer):
+    """Specter and the other systems for each prompt-prefix length."""
+    model, config = load(cfg)
+    texts = prompts_for(cfg.dataset, cfg.num_prompts)
+    systems = [build_system(name, model, config) for name in cfg.systems]
+    writer = open_writer()
+    for prefix in cfg.experiment.prefix_values:
+        prompts = encode_prompts(model, texts, int(prefix))
+        run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, writer, cfg.strict,
+                  tags={"k": config.k, "prefix_tokens": int(prefix)})
+    return header(model, config, cfg, "prefix"), ("system", "prefix_tokens")
+
+
+def run_kernel(cfg, out_dir: Path, open_writer):
+    """The fused INT4 kernel benchmark (Figures 10/11): a CUDA measurement, so unavailable elsewhere."""
+    writer = open_writer()
+    if not torch.cuda.is_available():
+        writer.add({"system": "fused_int4", "dataset": "-", "prompt_id": -1,
+                    "status": "unavailable: the kernel benchmark times Triton kernels on a CUDA GPU"})
+        return "kernel: no CUDA device", ("system", "dataset")
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_kernel.py"), "--out", str(out_dir)]
+    subprocess.run(cmd, check=True)
+    return f"kernel: table in {out_dir / 'kernel.csv'}", ("system", "dataset")
+
+
+EXPERIMENTS = {"main": run_main, "depth": run_depth, "prefix": run_prefix, "routing": run_routing,
+               "kernel": run_kernel}

@@ -1,0 +1,135 @@
+"""Render the paper's figures from result files only (never a live run): PNG + PDF + the CSV drawn.
+
+    python -m experiments.figures results/
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from specter.errors import SpecterError  # noqa: E402
+
+
+def _summaries(root: Path, experiment: str, name: str = "summary.csv") -> pd.DataFrame:
+    """Concatenated <root>/<experiment>/<model>-<mem>/<name> with a `run` column (the directory name)."""
+    frames = []
+    for path in sorted((root / experiment).glob(f"*/{name}")):
+        frame = pd.read_csv(path)
+        frame["run"] = path.parent.name
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _save(fig, data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf", out / f"{stem}.csv"]
+    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    data.to_csv(paths[2], index=False)
+    plt.close(fig)
+    return paths
+
+
+def figure7_depth(root: Path, out: Path) -> list[Path]:
+    """TPOT vs speculation depth K, one line per model/memory run."""
+    data = _summaries(root, "depth")
+    data = data[data.get("status", pd.Series(dtype=str)).isna()] if "status" in data else data
+    if data.empty:
+        return []
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for run, rows in data.groupby("run"):
+        rows = rows.sort_values("k")
+        ax.plot(rows.k, rows.tpot_ms, marker="o", label=run)
+    ax.set(xlabel="speculation depth K", ylabel="TPOT (ms)", title="Figure 7: TPOT vs K")
+    ax.legend(fontsize=7)
+    return _save(fig, data, out, "fig7_depth")
+
+
+def figure11_kernel(root: Path, out: Path) -> list[Path]:
+    """Median time per system and token count at each model's expert shape."""
+    data = _summaries(root, "kernel", "kernel.csv")
+    if data.empty:
+        return []
+    models = list(dict.fromkeys(data.model))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for system, rows in data[data.model == model].groupby("system"):
+            ax.plot(rows.tokens, rows.median_ms, marker="o", label=system)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="median ms", title=model)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Figure 11: fused INT4 draft kernel")
+    return _save(fig, data, out, "fig11_kernel")
+
+
+def figure13_routing(root: Path, out: Path) -> list[Path]:
+    """Per-window working-set sizes per dataset (left) and pairwise JS distances (right)."""
+    sets, js = _summaries(root, "routing", "routing_working_sets.csv"), _summaries(root, "routing", "routing_js.csv")
+    if sets.empty:
+        return []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = list(dict.fromkeys(sets.dataset))
+    left.boxplot([sets[sets.dataset == n].working_set for n in names])
+    left.set_xticks(range(1, len(names) + 1), names, rotation=45)
+    left.set(ylabel="distinct experts per layer per window", title="working sets")
+    matrix = pd.DataFrame(0.0, index=names, columns=names)
+    for _, row in js.iterrows():
+        matrix.loc[row.dataset_a, row.dataset_b] = matrix.loc[row.dataset_b, row.dataset_a] = row.js_distance
+    image = right.imshow(matrix.values, cmap="viridis")
+    right.set_xticks(range(len(names)), names, rotation=45)
+    right.set_yticks(range(len(names)), names)
+    right.set_title("Jensen-Shannon distance")
+    fig.colorbar(image, ax=right)
+    fig.suptitle("Figure 13: routing diversity")
+    return _save(fig, pd.concat([sets.assign(kind="working_set"), js.assign(kind="js")]), out, "fig13_routing")
+
+
+def figure14_main(root: Path, out: Path) -> list[Path]:
+    """TPOT per dataset and system, one panel per model/memory run."""
+    data = _summaries(root, "main")
+    if "status" in data:
+        data = data[data.status.isna()]
+    if data.empty:
+        return []
+    runs = list(dict.fromkeys(data.run))
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.5), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        table = data[data.run == run].pivot_table(index="dataset", columns="system", values="tpot_ms", sort=False)
+        table.plot.bar(ax=ax, rot=0)
+        ax.set(ylabel="TPOT (ms)", title=run)
+        ax.legend(fontsize=7)
+    fig.suptitle("Figure 14: TPOT per dataset and system")
+    return _save(fig, data, out, "fig14_main")
+
+
+FIGURES = (figure7_depth, figure11_kernel, figure13_routing, figure14_main)
+
+
+def render_all(root: Path) -> list[Path]:
+    if not root.is_dir():
+        raise SpecterError(f"results directory {root} does not exist")
+    written = [path for figure in FIGURES for path in figure(root, root / "figures")]
+    if not written:
+        raise SpecterError(f"no result files under {root} to draw from (run an experiment first)")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    root = Path(args[0]) if args else Path("results")
+    try:
+        for path in render_all(root):
+            print(path)
+    except SpecterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

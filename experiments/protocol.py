@@ -1,0 +1,83 @@
+"""The paper's measurement protocol: datasets x prompts x repeats x systems, one warm-up, token checks."""
+from __future__ import annotations
+
+import sys
+
+import torch
+from tqdm import tqdm
+
+from experiments.records import RecordWriter, record, unavailable
+from specter.errors import SpecterError
+
+WARMUP_TOKENS = 4
+
+
+def encode_prompts(model, prompts: dict[str, list[str] | str], prefix_tokens: int) -> dict[str, list | str]:
+    """Dataset -> [1, T<=prefix_tokens] token tensors (an 'unavailable: ...' string passes through)."""
+    encoded = {}
+    for name, texts in prompts.items():
+        if isinstance(texts, str):
+            encoded[name] = texts
+        elif not texts:
+            raise SpecterError(f"dataset {name} gave no prompts")
+        else:
+            encoded[name] = [torch.tensor([model.tokenizer(t)["input_ids"][:prefix_tokens]]) for t in texts]
+    return encoded
+
+
+def warm_up(systems: list, ids: torch.Tensor) -> list:
+    """One short generation per available system (excluded from the records); returns those systems."""
+    ready = []
+    for system in systems:
+        if system.available()[0]:
+            system.generate(ids, WARMUP_TOKENS)
+            ready.append(system)
+    return ready
+
+
+def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_new_tokens: int,
+              writer: RecordWriter, strict: bool = False, tags: dict | None = None, repeat_offset: int = 0) -> None:
+    """Every (dataset, prompt, repeat) on every system; rows go to `writer` as they finish.
+
+    Repeat r visits the systems in an order rotated by r. Tokens of every system are compared with
+    target-only's on the same case; a mismatch is reported, and fatal with `strict`.
+    """
+    tags = tags or {}
+    for system in systems:
+        ok, reason = system.available()
+        if not ok:
+            writer.add(unavailable({"system": system.name, "dataset": "*", "prompt_id": -1, **tags}, reason))
+    first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
+    runnable = warm_up(systems, first) if first is not None else []
+    total = sum(len(p) for p in prompts.values() if not isinstance(p, str)) * repeats * len(runnable)
+    with tqdm(total=total, desc="decoding", unit="run", file=sys.stderr) as bar:
+        for dataset, cases in prompts.items():
+            if isinstance(cases, str):
+                for system in runnable:
+                    writer.add(unavailable({"system": system.name, "dataset": dataset, "prompt_id": -1, **tags},
+                                           cases.removeprefix("unavailable: ")))
+                continue
+            for repeat in range(repeats):
+                order = runnable[repeat % len(runnable):] + runnable[: repeat % len(runnable)] if runnable else []
+                for i, ids in enumerate(cases):
+                    key = {"dataset": dataset, "prompt_id": i, "repeat": repeat + repeat_offset, **tags}
+                    _run_case(order, key, ids, max_new_tokens, writer, strict)
+                    bar.update(len(order))
+
+
+def _run_case(systems: list, key: dict, ids: torch.Tensor, max_new_tokens: int, writer: RecordWriter,
+              strict: bool) -> None:
+    results = {}
+    for system in systems:
+        if not writer.done({**key, "system": system.name}):
+            results[system.name] = system.generate(ids, max_new_tokens)
+    reference = results["target_only"].token_ids if "target_only" in results else None
+    for name, result in results.items():
+        check = None if name == "target_only" else reference
+        if check is not None and result.token_ids != check:
+            message = f"{name} tokens differ from target-only on {key['dataset']} prompt {key['prompt_id']}"
+            if strict:
+                raise SpecterError(message + " (strict mode)")
+            if key["prompt_id"] == 0 and key["repeat"] == 0:
+                print(f"warning: {message}", file=sys.stderr)
+        writer.add(record({**key, "system": name}, result, check))

@@ -1,0 +1,57 @@
+"""Routing diversity (Figure 13): per-window expert working sets per dataset, Jensen-Shannon distances."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from experiments.datasets import prompts_for
+from experiments.protocol import encode_prompts, warm_up
+from experiments.records import record, unavailable
+from experiments.systems import build_system
+
+
+def js_distance(p: np.ndarray, q: np.ndarray) -> float:
+    """Jensen-Shannon distance (base 2, in [0, 1]) between two count vectors."""
+    p, q = p / p.sum(), q / q.sum()
+    m = (p + q) / 2
+
+    def kl(a, b):
+        mask = a > 0
+        return float(np.sum(a[mask] * np.log2(a[mask] / b[mask])))
+
+    return float(np.sqrt(max(0.5 * kl(p, m) + 0.5 * kl(q, m), 0.0)))
+
+
+def run_routing(cfg, out_dir: Path, open_writer):
+    """Specter on every dataset's prompts; the target's routing per window and per dataset."""
+    from experiments.experiments import header, load
+
+    model, config = load(cfg)
+    prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
+    engine = build_system("specter", model, config)
+    writer = open_writer()
+    sets, counts = [], {}
+    first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
+    if first is not None:
+        warm_up([engine], first)
+    for dataset, cases in prompts.items():
+        key = {"system": "specter", "dataset": dataset, "k": config.k, "prefix_tokens": cfg.prefix_tokens}
+        if isinstance(cases, str):
+            writer.add(unavailable({**key, "prompt_id": -1}, cases.removeprefix("unavailable: ")))
+            continue
+        for i, ids in enumerate(cases):
+            result = engine.generate(ids, cfg.max_new_tokens)
+            writer.add(record({**key, "prompt_id": i, "repeat": 0}, result, None))
+            sets += [{"dataset": dataset, "prompt_id": i, "working_set": s} for s in result.stats["window_working_sets"]]
+            layer_counts = np.array(result.stats["routing_counts"], dtype=float)  # [L, E]
+            counts[dataset] = counts.get(dataset, 0) + layer_counts
+    pd.DataFrame(sets, columns=["dataset", "prompt_id", "working_set"]).to_csv(out_dir / "routing_working_sets.csv",
+                                                                              index=False)
+    pairs = [{"dataset_a": a, "dataset_b": b, "js_distance": js_distance(counts[a].ravel(), counts[b].ravel())}
+             for a, b in itertools.combinations(counts, 2)]
+    pd.DataFrame(pairs, columns=["dataset_a", "dataset_b", "js_distance"]).to_csv(out_dir / "routing_js.csv",
+                                                                                 index=False)
+    return header(model, config, cfg, "routing"), ("system", "dataset")

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Reproduce every experiment of the paper in order, then render the figures.
+#   scripts/run_all.sh [--tiny] [--dry-run] [--results DIR]
+# --tiny: the tiny synthetic models on CPU, few short prompts (minutes; what CI runs).
+# --dry-run: print the plan with an estimated time and exit.
+# Resumable: a finished step (run.json "complete": true) is skipped; an unfinished one is resumed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TINY=0; DRY=0; RESULTS=results
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tiny) TINY=1 ;;
+    --dry-run) DRY=1 ;;
+    --results) RESULTS="$2"; shift ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ "$TINY" = 1 ]; then
+  export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"  # local data only
+  MODELS=(tiny-dsv2 tiny-qwen); COMMON=(model.weights=synthetic num_prompts=1 repeats=1 max_new_tokens=16
+    "++experiment.k_values=[2,4,8]" device=cpu); STEP_MIN=0.3
+else
+  MODELS=(dsv2 qwen phi); COMMON=(); STEP_MIN=25
+fi
+
+check_environment() {
+  python3 - <<'PY' || { echo "error: the Python environment is not set up (see README: pip install -e .)" >&2; exit 2; }
+import shutil, torch, specter, hydra
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU only)"
+free = shutil.disk_usage(".").free / 2**30
+print(f"environment: torch {torch.__version__}, GPU {gpu}, {free:.0f} GiB free disk")
+PY
+  if [ "$TINY" = 0 ] && ! python3 -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "warning: no CUDA GPU: the full-size experiments will be very slow (use --tiny on a CPU machine)" >&2
+  fi
+}
+
+STEPS=()
+plan() {  # experiment model mem [extra overrides...]
+  STEPS+=("$*")
+}
+for m in "${MODELS[@]}"; do plan depth "$m" high; done
+for m in "${MODELS[@]}"; do for mem in high low; do plan main "$m" "$mem" k=auto; done; done
+for m in "${MODELS[@]}"; do plan prefix "$m" high k=auto; done
+for m in "${MODELS[@]}"; do plan routing "$m" high k=auto; done
+plan kernel "${MODELS[0]}" high
+
+complete() { python3 -c "import json,sys; sys.exit(0 if json.load(open('$1/run.json')).get('complete') else 1)" 2>/dev/null; }
+
+echo "plan: ${#STEPS[@]} steps into $RESULTS/, about $(python3 -c "print(round(${#STEPS[@]} * $STEP_MIN, 1))") minutes"
+if [ "$DRY" = 1 ]; then
+  for s in "${STEPS[@]}"; do
+    set -- $s
+    dir="$RESULTS/$1/$2-$3"
+    state=$([ -d "$dir" ] && (complete "$dir" && echo done || echo resume) || echo todo)
+    echo "  [$state] experiment=$1 model=$2 mem=$3 ${*:4} -> $dir"
+  done
+  echo "  then: python3 -m experiments.figures $RESULTS"
+  exit 0
+fi
+
+check_environment
+for s in "${STEPS[@]}"; do
+  set -- $s
+  exp=$1 model=$2 mem=$3; shift 3
+  dir="$RESULTS/$exp/$model-$mem"
+  if [ -d "$dir" ] && complete "$dir"; then echo "skip (done): $dir"; continue; fi
+  echo "== experiment=$exp model=$model mem=$mem $*"
+  python3 -m experiments.main experiment="$exp" model="$model" mem="$mem" results_root="$RESULTS" \
+    results_dir="$dir" resume=true dataset=all "${COMMON[@]}" "$@"
+done
+python3 -m experiments.figures "$RESULTS"

@@ -1,0 +1,102 @@
+"""The paper's experiments on the tiny model: protocol rows, depth/prefix/routing/kernel, resume, figures, run_all."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments.figures import main as figures_main
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ("num_prompts=2", "repeats=2", "max_new_tokens=10", "device=cpu")
+
+
+def run_main(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """One tiny run of each experiment into <root>/<experiment>/tiny-dsv2-high."""
+    root = tmp_path_factory.mktemp("results")
+    for experiment, extra in (("depth", ("++experiment.k_values=[2,4]",)), ("main", ("k=auto",)),
+                              ("prefix", ("++experiment.prefix_values=[4,8]",)), ("routing", ()), ("kernel", ())):
+        out = run_main(f"experiment={experiment}", *FAST, *extra, f"results_root={root}",
+                       f"results_dir={root / experiment / 'tiny-dsv2-high'}")
+        assert out.returncode == 0, (experiment, out.stderr[-2000:])
+    return root
+
+
+def test_main_protocol_rows(results):
+    records = pd.read_csv(results / "main" / "tiny-dsv2-high" / "records.csv")
+    assert len(records) == 2 * 2 * 2  # prompts x repeats x systems
+    assert set(records.repeat) == {0, 1} and (records.dataset == "builtin").all()
+    assert set(records.k) == {json.loads((results / "depth" / "tiny-dsv2-high" / "best_k.json").read_text())["best_k"]}
+    summary = pd.read_csv(results / "main" / "tiny-dsv2-high" / "summary.csv")
+    assert {"builtin", "AVG"} <= set(summary.dataset) and "specter_speedup" in summary
+    run = json.loads((results / "main" / "tiny-dsv2-high" / "run.json").read_text())
+    assert run["complete"] and run["config"]["experiment"]["name"] == "main" and "torch" in run["versions"]
+
+
+def test_depth_prefix_routing_kernel_outputs(results):
+    depth = pd.read_csv(results / "depth" / "tiny-dsv2-high" / "records.csv")
+    assert set(depth.k) == {2, 4} and set(depth.system) == {"specter"}
+    prefix = pd.read_csv(results / "prefix" / "tiny-dsv2-high" / "records.csv")
+    assert set(prefix.prefix_tokens) == {4, 8}
+    sets = pd.read_csv(results / "routing" / "tiny-dsv2-high" / "routing_working_sets.csv")
+    assert (sets.working_set >= 1).all() and len(sets) > 0
+    kernel = pd.read_csv(results / "kernel" / "tiny-dsv2-high" / "records.csv")
+    assert kernel.status.str.startswith("unavailable: ").all()  # no CUDA: a reason, never a number
+
+
+def test_figures_render_from_the_files(results):
+    assert figures_main([str(results)]) == 0
+    for stem in ("fig7_depth", "fig13_routing", "fig14_main"):
+        for ext in ("png", "pdf", "csv"):
+            assert (results / "figures" / f"{stem}.{ext}").stat().st_size > 0
+    assert figures_main([str(results / "nothing-here")]) == 2
+
+
+def test_resume_skips_finished_cases(tmp_path):
+    out = tmp_path / "run"
+    assert run_main(*FAST, f"results_dir={out}").returncode == 0
+    before = pd.read_csv(out / "records.csv")
+    again = run_main(*FAST, f"results_dir={out}", "resume=true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(pd.read_csv(out / "records.csv")) == len(before)  # nothing ran twice
+
+
+def test_unavailable_dataset_is_a_row_not_a_crash(tmp_path):
+    out = tmp_path / "run"
+    result = run_main(*FAST, "dataset=all", f"results_dir={out}", "num_prompts=1", "repeats=1",
+                      cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = pd.read_csv(out / "records.csv")
+    assert records.status.str.startswith("unavailable: ").any()  # gpqa/c4 have no file here and no network
+
+
+def test_run_all_dry_run_and_tiny(tmp_path):
+    dry = subprocess.run(["bash", "scripts/run_all.sh", "--tiny", "--dry-run", "--results", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and "about" in dry.stdout and "[todo] experiment=depth" in dry.stdout
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+    bad = subprocess.run(["bash", "scripts/run_all.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+@pytest.mark.slow
+def test_run_all_tiny_end_to_end_and_resumable(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = ["bash", "scripts/run_all.sh", "--tiny", "--results", str(tmp_path)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "figures" / "fig14_main.png").exists()
+    assert json.loads((tmp_path / "main" / "tiny-qwen-low" / "run.json").read_text())["complete"]
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0 and second.stdout.count("skip (done)") == 11
