@@ -14,6 +14,7 @@ from experiments.protocol import encode_prompts, run_cases
 from experiments.routing import run_routing
 from experiments.settings import model_choice, specter_config
 from experiments.systems import build_system
+from specter.errors import SpecterError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,10 +61,13 @@ def run_depth(cfg, out_dir: Path, open_writer):
 
 
 def best_k(rows: list[dict]) -> int:
+    """The K with the lowest mean TPOT over the measured rows."""
     tpot: dict[int, list[float]] = {}
     for row in rows:
         if row.get("status") == "ok":
             tpot.setdefault(int(row["k"]), []).append(float(row["tpot_ms"]))
+    if not tpot:
+        raise SpecterError("the depth profile measured nothing: every dataset was unavailable (see records.csv)")
     return min(tpot, key=lambda k: sum(tpot[k]) / len(tpot[k]))
 
 

@@ -53,7 +53,7 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
     with tqdm(total=total, desc="decoding", unit="run", file=sys.stderr) as bar:
         for dataset, cases in prompts.items():
             if isinstance(cases, str):
-                for system in runnable:
+                for system in systems:
                     writer.add(unavailable({"system": system.name, "dataset": dataset, "prompt_id": -1, **tags},
                                            cases.removeprefix("unavailable: ")))
                 continue

@@ -64,6 +64,8 @@ class RecordWriter:
 
 def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")) -> pd.DataFrame:
     """Mean metrics per group plus an AVG row per system; Specter's TPOT speedup over each system."""
+    if records.empty:
+        return records
     missing = records[records.status != "ok"][[c for c in ("system", "dataset", "status") if c in records]]
     ok = records[records.status == "ok"].copy()
     if ok.empty:

@@ -43,6 +43,11 @@ STEPS=()
 plan() {  # experiment model mem [extra overrides...]
   STEPS+=("$*")
 }
+DATASET=all
+if [ "$TINY" = 1 ] && ! python3 -c "import sys; from experiments.datasets import data_dir; sys.exit(0 if data_dir().is_dir() else 1)" 2>/dev/null; then
+  DATASET=builtin  # no local dataset files (and --tiny stays offline): the built-in prompts
+  echo "note: no dataset files under \$SPECTER_DATA or ../shared/data; --tiny uses dataset=builtin"
+fi
 for m in "${MODELS[@]}"; do plan depth "$m" high; done
 for m in "${MODELS[@]}"; do for mem in high low; do plan main "$m" "$mem" k=auto; done; done
 for m in "${MODELS[@]}"; do plan prefix "$m" high k=auto; done
@@ -71,6 +76,6 @@ for s in "${STEPS[@]}"; do
   if [ -d "$dir" ] && complete "$dir"; then echo "skip (done): $dir"; continue; fi
   echo "== experiment=$exp model=$model mem=$mem $*"
   python3 -m experiments.main experiment="$exp" model="$model" mem="$mem" results_root="$RESULTS" \
-    results_dir="$dir" resume=true dataset=all "${COMMON[@]}" "$@"
+    results_dir="$dir" resume=true dataset="$DATASET" "${COMMON[@]}" "$@"
 done
 python3 -m experiments.figures "$RESULTS"
