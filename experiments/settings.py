@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
-from specter.models.loading import hf_config
+from specter.models.loading import checkpoint_dir, hf_config
 from specter.models.registry import ModelSpec, get_spec
 from specter.offload.budget import plan_memory
 
@@ -40,6 +40,10 @@ def model_choice(cfg) -> ModelChoice:
     if cfg.model.weights not in ("synthetic", "checkpoint"):
         raise SpecterError(f"model.weights must be 'synthetic' or 'checkpoint', got {cfg.model.weights!r}")
     synthetic = cfg.model.weights == "synthetic"
+    if not synthetic and not spec.is_tiny and cfg.model.checkpoint is None and not checkpoint_dir(spec).exists():
+        raise SpecterError(f"no checkpoint for {spec.name!r} at {checkpoint_dir(spec)}: run `python "
+                           f"initialization/download_models.py --manifest initialization/model-assets.json --output "
+                           f"DIR --only {spec.name}` and set SPECTER_MODELS=DIR, or pass model.weights=synthetic")
     if spec.is_tiny and not synthetic:
         raise SpecterError(f"{spec.name} is a tiny synthetic model; it has no checkpoint (use model.weights=synthetic)")
     device = None if cfg.device == "auto" else cfg.device
@@ -58,10 +62,11 @@ def resident_slots(cfg, spec: ModelSpec) -> int:
     if cfg.mem.get("gb") is not None:
         dtype = DTYPES.get(cfg.dtype, torch.float16)
         return plan_memory(spec, hf_config(spec), dtype).slots_for(float(cfg.mem.gb))
+    presets = cfg.model.get("mem_presets") or spec.mem_presets
     try:
-        return spec.mem_presets[cfg.mem.preset]
+        return int(presets[cfg.mem.preset])
     except KeyError:
-        known = ", ".join(spec.mem_presets)
+        known = ", ".join(presets)
         raise SpecterError(f"{spec.name} has no memory preset {cfg.mem.preset!r}; known: {known}") from None
 
 
@@ -69,7 +74,8 @@ def specter_config(cfg, spec: ModelSpec, k: int | None = None) -> SpecterConfig:
     """The run's SpecterConfig; k: the argument, else cfg.k (null = the model's default, auto = the
     best K found by experiment=depth for this model and memory setting)."""
     if k is None:
-        k = spec.default_k if cfg.k is None else (profiled_k(cfg, spec) if cfg.k == "auto" else int(cfg.k))
+        default = int(cfg.model.get("default_k") or spec.default_k)
+        k = default if cfg.k is None else (profiled_k(cfg, spec) if cfg.k == "auto" else int(cfg.k))
     return SpecterConfig(k=k, resident_experts_per_layer=resident_slots(cfg, spec),
                          temperature=float(cfg.temperature), seed=int(cfg.seed))
 

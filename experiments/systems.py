@@ -1,6 +1,7 @@
 """Instantiate the compared systems from their conf/system/<name>.yaml option files (`_target_`)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import hydra.utils
@@ -25,11 +26,14 @@ def build_system(name: str, model: HybridMoEModel, config: SpecterConfig):
     if not path.is_file():
         raise SpecterError(f"unknown system {name!r}; known systems: {', '.join(known_systems())}")
     factory = hydra.utils.instantiate(OmegaConf.load(path), _partial_=True)
-    return factory(model=model, specter_config=config)
+    system = factory(model=model, specter_config=config)
+    system.name = name  # rows are labelled by the option file (ablations share a class)
+    return system
 
 
-def make_specter(model: HybridMoEModel, specter_config: SpecterConfig) -> SpecterEngine:
-    return SpecterEngine(model, specter_config)
+def make_specter(model: HybridMoEModel, specter_config: SpecterConfig, **ablation) -> SpecterEngine:
+    """Specter with the run's config, optionally with ablation switches (prefetch, expert_wise, ...)."""
+    return SpecterEngine(model, dataclasses.replace(specter_config, **ablation))
 
 
 def make_target_only(model: HybridMoEModel, specter_config: SpecterConfig) -> TargetOnly:

@@ -28,7 +28,8 @@ def compose_with(*overrides: str):
 @pytest.mark.parametrize("model", options("model"))
 @pytest.mark.parametrize("mem", options("mem"))
 def test_every_model_and_mem_option_composes(model, mem):
-    cfg = compose_with(f"model={model}", f"mem={mem}")  # mem=gb: 40 GB, enough for every model
+    weights = [] if model.startswith("tiny") else ["model.weights=synthetic"]  # no checkpoints here
+    cfg = compose_with(f"model={model}", f"mem={mem}", *weights)  # mem=gb: 40 GB, enough for every model
     choice = model_choice(cfg)
     config = specter_config(cfg, choice.spec)
     assert config.k == choice.spec.default_k
@@ -84,7 +85,8 @@ def test_default_results_dir_gets_a_new_suffix(tmp_path, monkeypatch):
     (("k=0",), "k must be an integer >= 1"),
     (("model=dsv2",), "no checkpoint for 'dsv2'"),
     (("systems=[specter,nope]",), "unknown system 'nope'"),
-    (("model=dsv2", "mem=gb", "mem.gb=5"), "5 GB GPU budget is too small: it needs at least 10.89 GB"),
+    (("model=dsv2", "model.weights=synthetic", "mem=gb", "mem.gb=5"),
+     "5 GB GPU budget is too small: it needs at least 10.89 GB"),
 ])
 def test_bad_input_is_one_line_and_non_zero(tmp_path, args, message):
     result = run_main(*args, f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
@@ -92,3 +94,15 @@ def test_bad_input_is_one_line_and_non_zero(tmp_path, args, message):
     assert result.stderr.strip().startswith("error:") and message in result.stderr
     assert result.stderr.strip().count("\n") == 0
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_model_options_agree_with_the_registry(model):
+    """The model files show default K and memory presets; they must say what the registry says."""
+    cfg = compose_with(f"model={model}")
+    spec = model_choice(cfg).spec if model.startswith("tiny") else None
+    from specter.models.registry import get_spec
+
+    spec = spec or get_spec(model)
+    assert cfg.model.default_k == spec.default_k
+    assert dict(cfg.model.mem_presets) == spec.mem_presets
