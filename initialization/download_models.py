@@ -21,6 +21,7 @@ import huggingface_hub  # noqa: E402
 from huggingface_hub import errors as hf_errors  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from specter.cli import run_cli  # noqa: E402
 from specter.errors import SpecterError  # noqa: E402
 
 FORMAT = "specter-model-assets/1"
@@ -460,22 +461,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok, 1 download or check failed, 2 bad manifest or arguments)."""
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("error: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except SpecterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # one line for anything else too (set SPECTER_DEBUG=1 for the traceback)
-        if os.environ.get("SPECTER_DEBUG"):
-            raise
-        print(f"error: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
-        return 1
+    return run_cli(lambda: run(args), codes=((UsageError, 2), (SpecterError, 1)), other=1,
+                   interrupted="; run the same command again to resume")
 
 
 if __name__ == "__main__":

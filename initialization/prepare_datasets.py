@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script: use this checkout's packages
 
 from experiments.datasets import DATASETS, REGISTRY, SOURCES, check_request, load_prompts, locate  # noqa: E402
+from specter.cli import run_cli
 from specter.errors import SpecterError  # noqa: E402
 
 DEFAULT_NUM_PROMPTS = 25
@@ -92,21 +92,9 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 all written, 1 some skipped, 2 an error, printed as one line)."""
     try:
-        return run(build_parser().parse_args(argv))
+        return run_cli(lambda: run(build_parser().parse_args(argv)))  # usage errors are SpecterErrors
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except SpecterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # one line for anything else too (set SPECTER_DEBUG=1 for the traceback)
-        if os.environ.get("SPECTER_DEBUG"):
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {first}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ if __name__ == "__main__" and str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import specter  # noqa: E402
+from specter.cli import run_cli  # noqa: E402
 from specter.errors import SpecterError  # noqa: E402
 from specter.models.loading import check_model_source  # noqa: E402
 from specter.quant.draft_io import MANIFEST_FILE, WEIGHTS_FILE, save_draft  # noqa: E402
@@ -194,21 +195,7 @@ def run(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (0 ok, 2 for any error, printed as one line)."""
     args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except SpecterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # one line for anything else too (set SPECTER_DEBUG=1 for the traceback)
-        if os.environ.get("SPECTER_DEBUG"):
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"error: {type(exc).__name__}: {first}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(lambda: run(args) and 0)
 
 
 if __name__ == "__main__":
