@@ -8,30 +8,14 @@ from pathlib import Path
 
 import torch
 
-import specter
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, run_cases
 from experiments.routing import run_routing
-from experiments.settings import model_choice, specter_config
+from experiments.settings import header, load, specter_config
 from experiments.systems import build_system
 from specter.errors import SpecterError
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load(cfg):
-    """(model, SpecterConfig) of the run."""
-    choice = model_choice(cfg)
-    config = specter_config(cfg, choice.spec)
-    model = specter.load_model(choice.source, synthetic=choice.synthetic, device=choice.device,
-                               dtype=choice.dtype, seed=int(cfg.seed), draft=choice.draft)
-    return model, config
-
-
-def header(model, config, cfg, what: str) -> str:
-    return (f"{what}: {model.spec.name} ({cfg.model.weights}), K={config.k}, {config.resident_experts_per_layer} "
-            f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
-            f"{cfg.max_new_tokens} tokens on {model.device}")
 
 
 def run_main(cfg, out_dir: Path, open_writer):

@@ -10,6 +10,7 @@ import pandas as pd
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, warm_up
 from experiments.records import record, unavailable
+from experiments.settings import header, load
 from experiments.systems import build_system
 
 
@@ -27,8 +28,6 @@ def js_distance(p: np.ndarray, q: np.ndarray) -> float:
 
 def run_routing(cfg, out_dir: Path, open_writer):
     """Specter on every dataset's prompts; the target's routing per window and per dataset."""
-    from experiments.experiments import header, load
-
     model, config = load(cfg)
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
     engine = build_system("specter", model, config)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
-from specter.models.loading import checkpoint_dir, hf_config
+from specter.models.loading import checkpoint_dir, hf_config, load_model
 from specter.models.registry import ModelSpec, get_spec
 from specter.offload.budget import plan_memory
 
@@ -141,3 +141,19 @@ def _version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def load(cfg):
+    """(model, SpecterConfig) of the run."""
+    choice = model_choice(cfg)
+    config = specter_config(cfg, choice.spec)
+    model = load_model(choice.source, synthetic=choice.synthetic, device=choice.device,
+                       dtype=choice.dtype, seed=int(cfg.seed), draft=choice.draft)
+    return model, config
+
+
+def header(model, config, cfg, what: str) -> str:
+    """The line printed above a run's summary table."""
+    return (f"{what}: {model.spec.name} ({cfg.model.weights}), K={config.k}, {config.resident_experts_per_layer} "
+            f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
+            f"{cfg.max_new_tokens} tokens on {model.device}")
