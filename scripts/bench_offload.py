@@ -1,6 +1,6 @@
 """Offload benchmark (GPU): target-only resident / on-demand, Specter without and with prefetch, side by side.
 
-    python scripts/bench_offload.py --models dsv2 qwen --mem high --prompts 2 --new-tokens 128 --out DIR
+    python scripts/bench_offload.py --models dsv2 qwen --mem high --prompts 2 --new-tokens 128 [--k 4 16] --out DIR
 
 Synthetic full-size weights (fp16), 16-token prompts. Prints one table per model and writes
 offload.csv. The I/O floor of a run is the bytes of routed experts that were not resident when their
@@ -46,7 +46,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     return {
         "system": name, "tpot_ms": mean("tpot_ms"), "ttft_ms": mean("ttft_ms"),
         "acceptance": mean("acceptance_rate"), "mean_accepted": mean("mean_accepted_length"),
-        "hit_rate": mean("hit_rate"), "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
+        "hit_rate": mean("hit_rate"), "planned_miss_share": mean("misses_planned") / mean("misses")
+        if runs[0].get("misses") else float("nan"), "wasted_loads": mean("wasted_loads"), "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
         "h2d_gbps": mean("h2d_gbps"), "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
         "draft_step_ms": mean("draft_ms") / mean("draft_tokens") if runs[0].get("draft_tokens") else float("nan"),
@@ -58,11 +59,12 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     }
 
 
-def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[dict]:
+def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None) -> list[dict]:
     t0 = time.time()
     model = specter.load_model(name, synthetic=True, device="cuda", dtype=torch.float16)
     spec = model.spec
-    slots, k = spec.mem_presets[mem], spec.default_k
+    slots, ks = spec.mem_presets[mem], ks or [spec.default_k]
+    k = ks[0]
     prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:num_prompts]]
     print(f"\n== {name}: built in {time.time() - t0:.0f} s; K={k}, {slots} resident experts/layer ({mem}), "
           f"{num_prompts} prompts x {new_tokens} tokens", flush=True)
@@ -70,19 +72,20 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[
     reference = [r["tokens"] for r in resident]
     offload_experts(model, slots)
     rows = [summarize("target_only_resident", resident, reference)]
-    systems = [
-        ("target_only_offload", TargetOnly(model, slots)),
-        ("specter_no_prefetch", specter.SpecterEngine(model, specter.SpecterConfig(k=k, resident_experts_per_layer=slots, prefetch=False))),
-        ("specter", specter.SpecterEngine(model, specter.SpecterConfig(k=k, resident_experts_per_layer=slots))),
-        ("specter_eager_draft", specter.SpecterEngine(model, specter.SpecterConfig(
-            k=k, resident_experts_per_layer=slots, cuda_graph=False))),
-    ]
+    config = lambda k, **kw: specter.SpecterConfig(k=k, resident_experts_per_layer=slots, **kw)  # noqa: E731
+    systems = [("target_only_offload", TargetOnly(model, slots))]
+    for k_i in ks:
+        suffix = "" if len(ks) == 1 else f"_k{k_i}"
+        systems += [(f"specter_no_prefetch{suffix}", specter.SpecterEngine(model, config(k_i, prefetch=False))),
+                    (f"specter{suffix}", specter.SpecterEngine(model, config(k_i)))]
+    systems.append(("specter_eager_draft", specter.SpecterEngine(model, config(k, cuda_graph=False))))
     for label, system in systems:
         t1 = time.time()
         rows.append(summarize(label, run(system, prompts, new_tokens), reference))
+        rows[-1]["k"] = system.config.k if hasattr(system, "config") else None
         print(f"   {label}: {time.time() - t1:.0f} s", flush=True)
     for row in rows:
-        row.update(model=name, mem=mem, slots=slots, k=k)
+        row.update(model=name, mem=mem, slots=slots, k=row.pop("k", None) or k)
     del model, systems
     gc.collect()
     torch.cuda.empty_cache()
@@ -90,7 +93,8 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int) -> list[
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["system", "tpot_ms", "acceptance", "hit_rate", "h2d_mb_per_token", "h2d_gbps", "wait_ms_per_token",
+    cols = ["system", "k", "tpot_ms", "acceptance", "hit_rate", "planned_miss_share", "h2d_mb_per_token",
+            "h2d_gbps", "wait_ms_per_token",
             "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
             "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))
@@ -100,12 +104,14 @@ def print_table(rows: list[dict]) -> None:
             v = r[c]
             cells.append(f"{v:12.3f}" if isinstance(v, float) else f"{str(v):>12}")
         print(" | ".join(cells))
-    spec = next(r for r in rows if r["system"] == "specter")
     base = next(r for r in rows if r["system"] == "target_only_offload")
     eager = next(r for r in rows if r["system"] == "specter_eager_draft")
-    print(f"specter vs target-only (same cache): {base['tpot_ms'] / spec['tpot_ms']:.2f}x TPOT; "
-          f"specter TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}; draft step "
-          f"graph {spec['draft_step_ms']:.2f} ms vs eager {eager['draft_step_ms']:.2f} ms ({spec['draft_graph']})")
+    for spec in (r for r in rows if r["system"].startswith("specter") and "no_prefetch" not in r["system"]
+                 and r["system"] != "specter_eager_draft"):
+        print(f"{spec['system']}: {base['tpot_ms'] / spec['tpot_ms']:.2f}x TPOT vs target-only (same cache); "
+              f"TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}")
+    print(f"draft step: graph {spec['draft_step_ms']:.2f} ms vs eager {eager['draft_step_ms']:.2f} ms "
+          f"({spec['draft_graph']})")
 
 
 def main() -> None:
@@ -114,13 +120,14 @@ def main() -> None:
     parser.add_argument("--mem", default="high")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, nargs="*", help="speculation depths for Specter (default: the model's)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench_offload.py needs a CUDA GPU")
     rows = []
     for name in args.models:
-        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens)
+        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k)
         print_table(model_rows)
         rows += model_rows
     args.out.mkdir(parents=True, exist_ok=True)

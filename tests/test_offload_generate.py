@@ -66,11 +66,15 @@ def test_stats_of_an_offloaded_run():
     model = fresh("tiny-phi")
     out = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2)).generate(prompt(), NEW)
     s = out.stats
-    assert s["h2d_bytes"] == (s["misses"] + s["prefetch_loads"]) * model.offload.store.expert_bytes
+    loads = s["misses"] + s["wasted_loads"] + s["prefetch_loads"]  # every copy is one of these
+    assert s["h2d_bytes"] == loads * model.offload.store.expert_bytes
+    assert 0 < s["misses_planned"] <= s["misses"]  # verification loads most misses on the draft's plan
     assert 0 <= s["hit_rate"] <= 1 and s["hits"] >= s["hits_prefetched"]
     assert 0 < s["prefetch_precision"] <= 1 and 0 < s["prefetch_recall"] <= 1
     assert 1 <= s["working_set_mean"] <= model.num_experts and s["wait_ms"] >= 0
     assert s["h2d_bytes_per_token"] == s["h2d_bytes"] / NEW
+    no_plan = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, prefetch=False))
+    assert no_plan.generate(prompt(), NEW).stats["misses_planned"] == 0  # the ablation loads on demand only
     for key in ("draft_ms", "verify_ms", "h2d_gbps", "evictions", "prefetch_trace"):
         assert key in s
 

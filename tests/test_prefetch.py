@@ -78,23 +78,32 @@ def test_phases_and_boundaries():
     assert planner.phase == FINAL_CLEANUP
 
 
-def test_window_ending_before_the_cache_fills_plans_once_more():
+def test_batches_are_issued_once_the_next_step_is_queued_and_capped_by_the_rest_of_the_draft():
     planner, elb, cache = planner_with(slots=4)
-    draft_window(planner, elb, 3)
-    trace = planner.traces[-1]
-    assert trace.boundaries == [2, 3] and trace.phases == [PREFETCH_OVERLAP, FINAL_CLEANUP]
-    assert cache.counters["prefetch_loads"] == 6 + 2
+    planner.begin_window(3)
+    for i, routes in enumerate(ROUTES[:3]):
+        for layer, experts in enumerate(routes):
+            elb.observe(layer, torch.tensor([experts]))
+        planner.after_draft_token(i + 1)
+        if i + 1 == 2:
+            assert cache.counters["prefetch_loads"] == 0  # counters read at 2, batch issued after step 3
+    trace = planner.end_window()
+    # plan at 2: {0,1,2} / {2,3,4}, but one remaining draft token hides only 2 experts: the most routed go
+    assert trace.boundaries == [2] and trace.batch_sizes == [2] and trace.phases == [FINAL_CLEANUP]
+    assert cache.resident_experts(0) == {0} and cache.resident_experts(1) == {2}
+    assert cache.verify_plan.get(0) == [0, 1, 2, 3] and cache.verify_plan.get(1) == [2, 0, 3, 4, 5]
     assert int(elb.counts.sum()) == 0
 
 
-def test_window_shorter_than_the_cold_start():
+def test_window_shorter_than_the_cold_start_only_plans_verification():
     planner, elb, cache = planner_with(slots=4, initial_chunk=4)
     planner.begin_window(1)
     assert planner.phase == COLD_START
     elb.observe(0, torch.tensor([[1, 2]]))
     planner.after_draft_token(1)
     planner.end_window()
-    assert planner.traces[-1].boundaries == [1]  # the last plan at the end of drafting
+    assert planner.traces[-1].boundaries == [] and cache.counters["prefetch_loads"] == 0
+    assert cache.verify_plan.get(0) == [1, 2] and cache.verify_plan.get(1) == []
 
 
 def test_resident_planned_experts_are_not_evicted_by_their_own_batch():
@@ -103,9 +112,9 @@ def test_resident_planned_experts_are_not_evicted_by_their_own_batch():
         slot = cache.acquire(0, expert)
         cache.release(0, slot)
     elb.observe(0, torch.tensor([[0, 1]]))
-    planner.begin_window(2)
-    planner.after_draft_token(1)
-    planner.after_draft_token(2)
+    planner.begin_window(3)
+    for drafted in (1, 2, 3):
+        planner.after_draft_token(drafted)
     assert cache.resident_experts(0) == {0, 1}
 
 
@@ -121,12 +130,12 @@ def test_a_later_batch_never_evicts_this_windows_earlier_prefetch():
     planner, elb, cache = planner_with(slots=2, initial_chunk=1)
     planner.begin_window(3)
     elb.observe(0, torch.tensor([[1, 2]]))
-    planner.after_draft_token(1)  # plan {1, 2} fills layer 0
-    assert cache.resident_experts(0) == {1, 2}
+    planner.after_draft_token(1)  # counters read: plan {1, 2}
     elb.observe(0, torch.tensor([[3, 3]]))
+    planner.after_draft_token(2)  # the plan {1, 2} fills layer 0; counters read again: 3 now ranks first
+    assert cache.resident_experts(0) == {1, 2}
     elb.observe(0, torch.tensor([[3, 1]]))
-    planner.after_draft_token(2)
     planner.after_draft_token(3)
     planner.end_window()
-    assert cache.resident_experts(0) == {1, 2}  # expert 3 now ranks first, but 2 was prefetched for this window
+    assert cache.resident_experts(0) == {1, 2}  # 2 was prefetched for this window: 3 does not evict it
     assert cache.counters["evictions"] == 0

@@ -85,14 +85,16 @@ class ExpertCache:
         self.layers = [LayerSlots(slots_per_layer) for _ in range(store.num_layers)]
         self.predicted: dict[int, set] = {}  # layer -> experts the current draft window predicts
         self.window_plan: dict[int, set] = {}  # layer -> experts prefetched for the current window
+        self.verify_plan: dict[int, list] = {}  # layer -> the draft's routing of the window being verified
         self.reset()
 
     def reset(self) -> None:
         """Empty every slot (the same initial state before each input) and zero the counters."""
         for slots in self.layers:
             slots.clear()
-        self.predicted, self.window_plan = {}, {}
-        self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "prefetch_loads": 0, "evictions": 0}
+        self.predicted, self.window_plan, self.verify_plan = {}, {}, {}
+        self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "misses_planned": 0, "wasted_loads": 0,
+                         "prefetch_loads": 0, "evictions": 0}
 
     @property
     def device_bytes(self) -> int:
@@ -122,6 +124,48 @@ class ExpertCache:
         slots.protected[slot] += 1
         slots.lru.move_to_end(slot)
         return slot
+
+    def protect_resident(self, layer: int) -> dict[int, int]:
+        """Expert -> slot of every resident expert, each slot protected until `release` (no lookup counted)."""
+        slots = self.layers[layer]
+        resident = dict(sorted(slots.slot_of.items()))
+        for slot in resident.values():
+            slots.protected[slot] += 1
+        return resident
+
+    def load(self, layer: int, expert: int) -> int:
+        """Load a non-resident expert on the verify path; its slot is protected until `release`.
+        Lookups are counted afterwards by `count_lookups`, once the router's choice is known."""
+        slot = self._load(layer, expert, DEMAND)
+        slots = self.layers[layer]
+        slots.protected[slot] += 1
+        slots.lru.move_to_end(slot)
+        return slot
+
+    def count_lookups(self, layer: int, routed: list[int], resident: dict[int, int], planned: set,
+                      prefetched: set) -> None:
+        """Hits and misses of one verify layer once its routing is read.
+
+        resident: what was resident when the layer started; planned: experts loaded before the routing
+        was read, on the draft's prediction; prefetched: resident experts the planner had brought in.
+        """
+        slots, routed_set = self.layers[layer], set(routed)
+        hits = routed_set & resident.keys()
+        self.counters["hits"] += len(hits)
+        self.counters["hits_prefetched"] += len(hits & prefetched)
+        self.counters["misses"] += len(routed_set) - len(hits)
+        self.counters["misses_planned"] += len(routed_set & planned)
+        self.counters["wasted_loads"] += len(planned - routed_set)
+        for expert in sorted(hits):
+            slot = slots.slot_of.get(expert)
+            if slot is not None:
+                slots.loaded_by[slot] = DEMAND  # a prefetched expert counts once
+                slots.lru.move_to_end(slot)
+
+    def prefetched_experts(self, layer: int) -> set:
+        """Resident experts the planner loaded and no verification has used yet."""
+        slots = self.layers[layer]
+        return {e for e, s in slots.slot_of.items() if slots.loaded_by[s] == PREFETCH}
 
     def prefetch(self, layer: int, expert: int) -> bool:
         """Start loading `expert` unless resident; False if no slot is free of protection and of this

@@ -61,6 +61,17 @@ class DeviceStreams:
         torch.cuda.current_stream().wait_event(ready)
         self._stalls.append((before, self.record()))
 
+    def read_later(self, tensor: torch.Tensor) -> "HostRead":
+        """Start copying a small device tensor to the host now (pinned, async); `.result()` waits for that
+        copy alone, so work enqueued after this call keeps the GPU busy while the host waits."""
+        if not self.cuda:
+            return HostRead(tensor, None)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return HostRead(host, done)
+
     @staticmethod
     def is_ready(ready) -> bool:
         """Non-blocking: has this copy finished (always True on CPU)?"""
@@ -93,6 +104,18 @@ class DeviceStreams:
         done = [(a, b, n) for a, b, n in self._copies[-64:] if self.is_ready(b if self.cuda else None)]
         ms = sum(_elapsed_ms(a, b) for a, b, _ in done)
         return sum(n for _, _, n in done) / ms if ms > 0 else None
+
+
+class HostRead:
+    """A device-to-host copy in flight (see DeviceStreams.read_later)."""
+
+    def __init__(self, host: torch.Tensor, done) -> None:
+        self.host, self.done = host, done
+
+    def result(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
 
 
 def _elapsed_ms(start, end) -> float:

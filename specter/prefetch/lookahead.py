@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from specter.offload.streams import DeviceStreams, HostRead
 from specter.offload.timeline import to_host
 
 
@@ -25,17 +26,48 @@ class ExpertLookaheadBuffer:
 
 
 class PatternAnalyzer:
-    """At a prefetch checkpoint: per layer the top-M experts by count, copied to the host in one transfer."""
+    """At a prefetch checkpoint: per layer the experts the draft picked, most frequent first, copied to
+    the host in one transfer (now, or in the background so that the next draft step is already queued)."""
 
     def __init__(self, elb: ExpertLookaheadBuffer) -> None:
         self.elb = elb
 
+    def _packed(self) -> torch.Tensor:
+        values, experts = self.elb.counts.sort(dim=1, descending=True, stable=True)  # [L, E] each
+        return torch.stack([torch.where(values > 0, experts, -1), values])  # [2, L, E]; -1 = never picked
+
+    def read_later(self, streams: DeviceStreams) -> "Ranking":
+        """The ranking as it stands now, copied to the host in the background (read on first use)."""
+        packed = self._packed()
+        return Ranking(streams.read_later(packed if packed.is_cuda else packed.clone()))
+
     def ranking(self) -> dict[int, list[int]]:
         """Layer -> every expert the draft picked in this window, most frequent first (one D2H copy)."""
-        values, experts = self.elb.counts.sort(dim=1, descending=True, stable=True)  # [L, E] each
-        packed = torch.where(values > 0, experts, -1)  # [L, E], -1 = never picked
-        return {layer: [e for e in row if e >= 0] for layer, row in enumerate(to_host(packed))}
+        experts, _ = to_host(self._packed())
+        return {layer: [e for e in row if e >= 0] for layer, row in enumerate(experts)}
 
     def plan(self, m: int) -> dict[int, list[int]]:
         """Layer -> the top-m experts by count (only experts with a non-zero count)."""
         return {layer: ranked[:m] for layer, ranked in self.ranking().items()}
+
+
+class Ranking:
+    """A ranking of the draft's routing in flight to the host: layer -> [(expert, count)], most frequent first."""
+
+    def __init__(self, read: HostRead) -> None:
+        self._read, self._rows = read, None
+
+    def rows(self) -> dict[int, list[tuple[int, int]]]:
+        if self._rows is None:
+            experts, counts = self._read.result().tolist()  # [L, E] each
+            self._rows = {layer: [(e, c) for e, c in zip(es, cs) if e >= 0]
+                          for layer, (es, cs) in enumerate(zip(experts, counts))}
+        return self._rows
+
+    def experts(self) -> dict[int, list[int]]:
+        return {layer: [e for e, _ in row] for layer, row in self.rows().items()}
+
+    def get(self, layer: int, default=()) -> list[int]:
+        """The experts of one layer (the verification plan's interface; waits for the copy once)."""
+        row = self.rows().get(layer)
+        return [e for e, _ in row] if row is not None else list(default)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from specter.offload.expert_cache import ExpertCache
-from specter.prefetch.lookahead import PatternAnalyzer
+from specter.prefetch.lookahead import PatternAnalyzer, Ranking
 
 COLD_START, PREFETCH_OVERLAP, FINAL_CLEANUP = "cold_start", "prefetch_overlap", "final_cleanup"
 
@@ -51,13 +51,16 @@ class WindowTrace:
 class PrefetchPlanner:
     """Turns the draft's routing into H2D batches that overlap with the remaining draft compute.
 
-    Cold Start: the first chunk (`initial_chunk` tokens) only observes. At each boundary the analyzer's
-    top-M plan (M = slots per layer) minus the resident experts is issued as one batch on the copy
-    stream, and the next boundary is set so the next chunk's draft time ~ that batch's transfer time
-    (Prefetch Overlap; a chunk is never shorter than the initial one, which bounds the host syncs).
-    Once every slot holds a planned expert, Final Cleanup: no more planning, the
-    counters are cleared. If drafting ends first, a last plan is issued at the end of the window, so
-    its copies overlap with the start of verification (which computes cache hits first).
+    Cold Start: the first chunk (`initial_chunk` tokens) only observes. At each boundary the counters
+    are read in the background; once the next draft step is queued, the analyzer's top-M plan
+    (M = slots per layer) minus the resident experts is issued as one batch on the copy stream, most
+    frequently routed experts first and no more than the rest of the draft can hide, and the next
+    boundary is set so the next chunk's draft time ~ that batch's transfer time (Prefetch Overlap; a
+    chunk is never shorter than the initial one, which bounds the host syncs). Once every slot holds a
+    planned expert or the draft is over, Final Cleanup: no more planning. At the end of the window the
+    counters hold the draft's routing of the whole window: it becomes the cache's verification plan
+    (experts that verification loads, after its resident wave, before reading its router), and the
+    counters are cleared.
     """
 
     def __init__(self, analyzer: PatternAnalyzer, cache: ExpertCache, cost: CostModel | None = None,
@@ -70,61 +73,72 @@ class PrefetchPlanner:
     def begin_window(self, k: int) -> None:
         self.trace = WindowTrace(k)
         self.phase, self.next_boundary, self.last_boundary = COLD_START, self.initial_chunk, 0
-        self.last_time = self.clock()
+        self.last_time, self.pending = self.clock(), None
 
     def after_draft_token(self, drafted: int) -> None:
-        """Called after each draft step with the number of tokens drafted so far in this window."""
-        if self.phase != FINAL_CLEANUP and drafted == self.next_boundary:
-            self._checkpoint(drafted)
+        """Called once draft step `drafted` is enqueued: issue the batch read at the previous boundary (its
+        copies overlap with this step), and start reading the counters at a boundary."""
+        if self.pending is not None:
+            self._checkpoint(*self.pending)
+        if self.phase != FINAL_CLEANUP and drafted == self.next_boundary and drafted < self.trace.k:
+            self.pending = (drafted, self.analyzer.read_later(self.cache.streams))
 
     def end_window(self) -> WindowTrace:
-        """Last plan if drafting ended before the cache filled; clear the counters; return the trace."""
-        if self.phase != FINAL_CLEANUP and self.trace.k > self.last_boundary:
-            self._checkpoint(self.trace.k, last=True)
+        """The window's routing becomes the verification plan (read lazily); clear the counters."""
+        if self.pending is not None:
+            self._checkpoint(*self.pending)
+        self.phase = FINAL_CLEANUP
+        self.cache.verify_plan = self.analyzer.read_later(self.cache.streams)
         self.analyzer.elb.clear()
         self.cache.predicted, self.cache.window_plan = {}, {}
         self.traces.append(self.trace)
         return self.trace
 
-    def _checkpoint(self, drafted: int, last: bool = False) -> None:
-        ranking = self.analyzer.ranking()  # one D2H: the host has caught up with the draft here
-        plan = {layer: ranked[: self.cache.slots_per_layer] for layer, ranked in ranking.items()}
+    def _checkpoint(self, drafted: int, ranking: Ranking) -> None:
+        self.pending = None
+        rows = ranking.rows()  # the host waits for the copy; the next draft step is already queued
         now = self.clock()
         self.cost.observe_draft((now - self.last_time) * 1e3, drafted - self.last_boundary)
         self.cost.observe_bandwidth(self.cache.streams.measured_bandwidth())
         self.last_time, self.last_boundary = now, drafted
-        batch = self._issue(plan, ranking)
+        batch = self._issue(rows, self._capacity(self.trace.k - drafted))
         full = all(len(planned & self.cache.resident_experts(layer)) >= self.cache.slots_per_layer
                    for layer, planned in self.trace.planned.items())
-        self.phase = FINAL_CLEANUP if full or last else PREFETCH_OVERLAP
-        if self.phase == FINAL_CLEANUP:
-            self.analyzer.elb.clear()
-        else:
-            chunk = self.cost.chunk_tokens(batch * self.cache.store.expert_bytes)
-            self.next_boundary = drafted + max(chunk, self.initial_chunk)  # at most one sync per initial chunk
+        chunk = max(self.cost.chunk_tokens(batch * self.cache.store.expert_bytes), self.initial_chunk)
+        self.next_boundary = drafted + chunk  # at most one sync per initial chunk
+        self.phase = FINAL_CLEANUP if full or self.next_boundary >= self.trace.k else PREFETCH_OVERLAP
         self.trace.boundaries.append(drafted)
         self.trace.phases.append(self.phase)
         self.trace.batch_sizes.append(batch)
 
-    def _issue(self, plan: dict[int, list[int]], ranking: dict[int, list[int]]) -> int:
-        """Prefetch the planned experts that are not resident; returns how many copies were issued.
+    def _capacity(self, remaining_tokens: int) -> int:
+        """Experts the remaining draft steps can hide the transfer of (at least one)."""
+        hidden_ms = remaining_tokens * self.cost.draft_ms_per_token
+        return max(1, int(hidden_ms * self.cost.h2d_bytes_per_ms // self.cache.store.expert_bytes))
 
-        Planned experts already resident are touched first (most recently used), so the LRU victims
-        of the new copies are experts outside the plan; and an expert prefetched earlier in this window
-        is never evicted by a later batch of the same window (its slot is kept until verification).
+    def _issue(self, rows: dict[int, list[tuple[int, int]]], capacity: int) -> int:
+        """Prefetch up to `capacity` planned experts that are not resident; returns how many were issued.
+
+        The plan is each layer's top-M; its non-resident experts go most frequently routed first.
+        Planned experts already resident are touched first (most recently used), so the LRU victims of
+        the new copies are experts outside the plan; and an expert prefetched earlier in this window is
+        never evicted by a later batch of the same window (its slot is kept until verification).
         """
-        self.cache.predicted = {layer: set(ranked) for layer, ranked in ranking.items()}
+        self.cache.predicted = {layer: {e for e, _ in row} for layer, row in rows.items()}
         self.cache.window_plan = self.trace.planned
+        wanted = []
+        for layer, row in rows.items():
+            for expert, count in row[: self.cache.slots_per_layer]:
+                if self.cache.slot_of(layer, expert) is None:
+                    wanted.append((-count, layer, expert))
+                else:
+                    self.cache.touch(layer, expert)
+                    self.trace.planned.setdefault(layer, set()).add(expert)
         issued = 0
-        for layer, experts in plan.items():
-            for expert in experts:
-                self.cache.touch(layer, expert)
-            for expert in experts:
-                if self.cache.slot_of(layer, expert) is None and self.cache.prefetch(layer, expert):
-                    self.trace.planned.setdefault(layer, set()).add(expert)
-                    issued += 1
-                elif self.cache.slot_of(layer, expert) is not None:
-                    self.trace.planned.setdefault(layer, set()).add(expert)
+        for _, layer, expert in sorted(wanted)[:capacity]:
+            if self.cache.prefetch(layer, expert):
+                self.trace.planned.setdefault(layer, set()).add(expert)
+                issued += 1
         return issued
 
     def reset(self) -> None:

@@ -5,7 +5,7 @@ from collections import deque
 
 import torch
 
-from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
+from specter.kernels.reference import combine_rows, expert_mlp
 from specter.kernels.slot_moe import TRITON_AVAILABLE, MoEWorkspace, slot_moe_rows, slot_moe_rows_reference
 from specter.offload.expert_cache import ExpertCache
 
@@ -15,13 +15,16 @@ VERIFY_WORKSPACE = MoEWorkspace()  # intermediate buffers of the slot kernel, sh
 class ResidencyManager:
     """The target-mode executor of every HybridExperts layer when experts are offloaded.
 
-    Per layer: the router's top-k is authoritative; the needed experts split into cache hits and
-    misses. Hits are protected and run first, as one wave; meanwhile misses are copied into the
-    unprotected slots on the copy stream, and each following wave runs the experts that have arrived
-    while the next ones load into the slots just released (double buffering). A wave is one launch pair
-    of the slot kernel on CUDA (tokens gathered per expert into dense tiles), the torch reference on
-    CPU; the compute stream waits on ready events, never the host. Expert outputs fill (token, slot)
-    rows that are combined with the routing weights at the end, so order does not change the result.
+    Per layer, without waiting for the router: the resident experts run first, as one wave (the slot
+    kernel computes only the pairs routed to them); their slots then take, wave after wave, the
+    experts the draft routed to in this window (the verification plan, usually almost all of what the
+    target needs), each wave computing while the next one loads (double buffering). Only then does the
+    host read the router's top-k (its copy was started before the waves were enqueued, so the GPU and
+    the copy stream stay busy meanwhile): the router is authoritative, and any routed expert that
+    neither was resident nor planned is loaded and computed last. A wave is one launch pair of the slot
+    kernel on CUDA (tokens gathered per expert into dense tiles), the torch reference on CPU; the compute
+    stream waits on ready events, never the host. Expert outputs fill (token, slot) rows that are
+    combined with the routing weights at the end, so order does not change the result.
     """
 
     def __init__(self, cache: ExpertCache, expert_wise: bool = True) -> None:
@@ -33,36 +36,51 @@ class ResidencyManager:
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        layer = module.moe_layer
-        groups = group_by_expert(top_k_index, module.num_experts)  # one bounded host read per layer
-        experts = groups.experts
-        self.demand.setdefault(layer, set()).update(experts)
-        counts = self.routing_counts.setdefault(layer, [0] * module.num_experts)
-        for expert, tokens in zip(experts, groups.token_idx):
-            counts[expert] += len(tokens)
-        self.working_sets.append(len(experts))
         rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         if self.expert_wise:
-            self._expert_wise(module, hidden, top_k_index, experts, rows)  # rows: [T*k, H]
+            self._expert_wise(module, hidden, top_k_index, rows)  # rows: [T*k, H]
         else:
+            self._observe(module, top_k_index.tolist())
             self._token_wise(module, hidden, top_k_index, rows)
         return combine_rows(rows, top_k_weights, hidden.dtype)
 
-    def _expert_wise(self, module, hidden, top_k_index, experts: list[int], rows) -> None:
+    def _observe(self, module, routing: list[list[int]]) -> list[int]:
+        """Record the router's choice of one layer (host lists [T][k]); returns the routed experts, ascending."""
+        layer = module.moe_layer
+        counts = self.routing_counts.setdefault(layer, [0] * module.num_experts)
+        for token in routing:
+            for expert in token:
+                counts[expert] += 1
+        routed = sorted({e for token in routing for e in token})
+        self.demand.setdefault(layer, set()).update(routed)
+        self.working_sets.append(len(routed))
+        return routed
+
+    def _expert_wise(self, module, hidden, top_k_index, rows) -> None:
         layer, cache = module.moe_layer, self.cache
-        current = [(e, cache.acquire(layer, e)) for e in experts if cache.slot_of(layer, e) is not None]
-        pending = deque(e for e in experts if cache.slot_of(layer, e) is None)
-        arriving = self._load_wave(layer, pending)
+        routing = cache.streams.read_later(top_k_index)  # [T, k], in flight while the waves are enqueued
+        prefetched = cache.prefetched_experts(layer)
+        resident = cache.protect_resident(layer)
+        planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]
+        self._stream(module, hidden, top_k_index, list(resident.items()), deque(planned), rows)
+        routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
+        cache.count_lookups(layer, routed, resident, set(planned), prefetched)
+        unplanned = deque(e for e in routed if e not in resident and e not in planned)
+        self._stream(module, hidden, top_k_index, [], unplanned, rows)
+
+    def _stream(self, module, hidden, top_k_index, current: list, pending: deque, rows) -> None:
+        """Run `current` (resident (expert, slot) pairs), then load and run `pending` experts in waves."""
+        arriving = self._load_wave(module.moe_layer, pending)
         while current or arriving:
             self._run_wave(module, hidden, top_k_index, current, rows)
-            current, arriving = arriving, self._load_wave(layer, pending)
+            current, arriving = arriving, self._load_wave(module.moe_layer, pending)
 
     def _load_wave(self, layer: int, pending: deque) -> list[tuple[int, int]]:
         """Start copies of missing experts into every slot that is free of protection; (expert, slot) pairs."""
         wave = []
         while pending and self.cache.has_free_slot(layer):
             expert = pending.popleft()
-            wave.append((expert, self.cache.acquire(layer, expert)))
+            wave.append((expert, self.cache.load(layer, expert)))
         return wave
 
     def _run_wave(self, module, hidden, top_k_index, wave: list[tuple[int, int]], rows) -> None:
@@ -95,6 +113,7 @@ class ResidencyManager:
         self.demand, self.working_sets, self.routing_counts = {}, [], {}
 
     def take_demand(self) -> dict[int, set]:
-        """The target's routing since the last call (one verify window), cleared."""
+        """The target's routing since the last call (one verify window), cleared with the window's plan."""
         demand, self.demand = self.demand, {}
+        self.cache.verify_plan = {}
         return demand
