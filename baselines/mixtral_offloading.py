@@ -1,0 +1,264 @@
+"""Mixtral-Offloading (MO-SC, MO-SM): token-by-token decoding, per-layer LRU expert caches swapped through staging buffers."""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from baselines.target_only import TargetOnly
+from specter.config import SpecterConfig
+from specter.engine import check_prompt
+from specter.errors import SpecterError
+from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
+from specter.metrics import GenerationResult
+from specter.models.hybrid import HybridMoEModel
+from specter.offload.budget import MemoryPlan, plan_memory
+from specter.offload.host_store import HostExpertStore
+from specter.offload.streams import DeviceStreams
+
+STAGING_BUFFERS = 4  # the original's default buffer_size; at most STAGING_BUFFERS - 1 swaps in flight per layer
+
+
+def same_memory_slots(slots: int, plan: MemoryPlan) -> int:
+    """MO-SM's FP slots per layer: Specter's `slots` plus those its INT4 draft bytes pay for, at most every expert."""
+    extra = plan.draft_bytes // (plan.num_moe_layers * plan.expert_bytes)
+    return min(slots + extra, plan.num_experts)
+
+
+class LayerLRU:
+    """One layer's residency: expert -> slot in LRU order (least recent first), free slots, experts in use."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.reset()
+
+    def reset(self) -> None:
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # resident expert -> slot, least recently used first
+        self.free = deque(range(self.size))
+        self.busy: set[int] = set()  # experts the running layer has looked up and not computed yet
+
+    def lookup(self, expert: int) -> bool:
+        """Mark `expert` used by the running layer (most recent if resident); True on a hit."""
+        self.busy.add(expert)
+        if expert in self.slot_of:
+            self.slot_of.move_to_end(expert)
+            return True
+        return False
+
+    def can_admit(self) -> bool:
+        return bool(self.free) or any(e not in self.busy for e in self.slot_of)
+
+    def admit(self, expert: int) -> tuple[int, int | None]:
+        """A slot for a missing expert: a free one, else the least recently used idle expert's; (slot, evicted)."""
+        if self.free:
+            slot, evicted = self.free.popleft(), None
+        else:
+            evicted = next(e for e in self.slot_of if e not in self.busy)
+            slot = self.slot_of.pop(evicted)
+        self.slot_of[expert] = slot  # most recently used
+        return slot, evicted
+
+    def done(self, expert: int) -> None:
+        self.busy.discard(expert)
+
+
+@dataclass
+class Buffer:
+    """One expert's flat device buffer [3*I*H] and the event after the last kernel reading it (None on CPU)."""
+
+    data: torch.Tensor
+    last_use: object = None
+
+
+class SwapCache:
+    """`slots` device buffers per MoE layer plus a few staging buffers shared by all layers (the original's design).
+
+    A miss copies the expert from the host store into the staging buffer at the head of the queue; that
+    buffer becomes the slot, and the evicted slot's buffer goes to the tail (pointers move, no device
+    copy). A copy into a buffer first waits for the buffer's last use, and compute waits for the copy at
+    once: the original issues copies and kernels on one stream, so loads never overlap compute. The host
+    store is never written (it holds every expert), so unlike the original no evicted expert is copied
+    back to the host (one D2H copy per miss fewer: the baseline is not made slower than it is).
+    """
+
+    def __init__(self, store: HostExpertStore, slots: int, device: torch.device, staging: int) -> None:
+        self.store, self.streams = store, DeviceStreams(device)
+        self.slots = [[self._new(device) for _ in range(slots)] for _ in range(store.num_layers)]
+        self.staging = deque(self._new(device) for _ in range(staging))
+        self.lru = [LayerLRU(slots) for _ in range(store.num_layers)]
+        self.reset()
+
+    def _new(self, device) -> Buffer:
+        return Buffer(torch.empty(self.store.numel, dtype=self.store.dtype, device=device))
+
+    @property
+    def device_bytes(self) -> int:
+        count = sum(len(layer) for layer in self.slots) + len(self.staging)
+        return count * self.store.expert_bytes
+
+    def reset(self) -> None:
+        """Empty slots and zeroed counters: the same initial state before each input."""
+        self.streams.synchronize()
+        for lru in self.lru:
+            lru.reset()
+        self.streams.reset_stats()
+        self.counters = {"hits": 0, "misses": 0, "evictions": 0}
+
+    def lookup(self, layer: int, expert: int) -> bool:
+        hit = self.lru[layer].lookup(expert)
+        self.counters["hits" if hit else "misses"] += 1
+        return hit
+
+    def resident(self, layer: int, expert: int) -> Buffer:
+        return self.slots[layer][self.lru[layer].slot_of[expert]]
+
+    def swap_in(self, layer: int, expert: int) -> Buffer:
+        """Load a missing expert through a staging buffer (compute waits for the copy); its buffer."""
+        slot, evicted = self.lru[layer].admit(expert)
+        self.counters["evictions"] += evicted is not None
+        buffer = self.staging.popleft()
+        ready = self.streams.copy(buffer.data, self.store.expert(layer, expert), after=buffer.last_use, demand=True)
+        self.streams.wait(ready)
+        self.staging.append(self.slots[layer][slot])
+        self.slots[layer][slot] = buffer
+        return buffer
+
+    def done(self, layer: int, expert: int, buffer: Buffer) -> None:
+        """The kernels reading `buffer` are enqueued: remember when they end; the expert may be evicted again."""
+        buffer.last_use = self.streams.record()
+        self.lru[layer].done(expert)
+
+
+class SwapExecutor:
+    """Target executor of every HybridExperts layer: its routed experts through the swap cache, on demand.
+
+    Per layer the router's experts are looked up (all marked used); up to `window` misses are swapped in,
+    resident experts run first, and each consumed miss lets the next one in. Nothing is loaded before the
+    router has decided (no prefetch), and every load is waited for (synchronous, on demand).
+    """
+
+    def __init__(self, cache: SwapCache, window: int) -> None:
+        self.cache, self.window = cache, window
+
+    def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        layer, cache = module.moe_layer, self.cache
+        groups = group_by_expert(top_k_index, module.num_experts)
+        hits = [cache.lookup(layer, e) for e in groups.experts]
+        order = sorted(range(len(hits)), key=lambda i: not hits[i])  # resident experts first, then misses
+        pending, loading = deque(i for i in order if not hits[i]), deque()
+        rows = hidden.new_zeros(top_k_index.numel(), hidden.shape[-1])  # [T*k, H]
+        self._issue(layer, groups.experts, pending, loading)
+        for i in order:
+            expert = groups.experts[i]
+            buffer = cache.resident(layer, expert) if hits[i] else loading.popleft()
+            gate_up, down = cache.store.split(buffer.data)  # [2I, H], [H, I]
+            out = expert_mlp(hidden[groups.token_idx[i]], gate_up, down, module.act_fn)  # [n_e, H]
+            rows[groups.weight_idx[i]] = out.to(rows.dtype)
+            cache.done(layer, expert, buffer)
+            self._issue(layer, groups.experts, pending, loading)
+        return combine_rows(rows, top_k_weights, hidden.dtype)
+
+    def _issue(self, layer: int, experts: list[int], pending: deque, loading: deque) -> None:
+        while pending and len(loading) < self.window and self.cache.lru[layer].can_admit():
+            loading.append(self.cache.swap_in(layer, experts[pending.popleft()]))
+
+
+class MixtralOffloading:
+    """Autoregressive greedy decoding (no speculation) whose routed experts come through a `SwapCache`.
+
+    Reimplemented after dvmazur/mixtral-offloading (expert_cache.py): per-layer LRU eviction groups,
+    swaps through `staging` device buffers, resident experts first. The FP weights come from the model's
+    host store (a private copy if the experts are still on the device). The decode loop and metrics are
+    target-only's; the model's own target executors are put back after every generate.
+    """
+
+    name = "mixtral_offloading"
+
+    def __init__(self, model: HybridMoEModel, slots: int, staging: int = STAGING_BUFFERS,
+                 memory: str = "same cache") -> None:
+        if not 1 <= slots <= model.num_experts:
+            raise SpecterError(f"expert slots per layer must be in 1..{model.num_experts}, got {slots}")
+        if staging < 2:
+            raise SpecterError(f"staging buffers must be >= 2, got {staging}")
+        self.model, self.slots, self.staging, self.memory = model, slots, staging, memory
+        self.loop = TargetOnly(model)  # the same token-by-token loop, TPOT definition and KV handling
+        self.cache: SwapCache | None = None
+
+    def available(self) -> tuple[bool, str]:
+        return True, ""
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
+        input_ids = check_prompt(input_ids, max_new_tokens)
+        cache = self._swap_cache()
+        cache.reset()
+        with self._installed(SwapExecutor(cache, self.staging - 1)):
+            result = self.loop.generate(input_ids, max_new_tokens)
+        result.stats.update(self._stats(cache, result.stats["generated_tokens"]))
+        return result
+
+    @contextmanager
+    def _installed(self, executor: SwapExecutor):
+        """Every layer's target executor is `executor` inside the block; the previous ones afterwards."""
+        previous = [module.target_executor for module in self.model.experts]
+        for module in self.model.experts:
+            module.target_executor = executor
+        try:
+            yield
+        finally:
+            for module, old in zip(self.model.experts, previous):
+                module.target_executor = old
+
+    def _swap_cache(self) -> SwapCache:
+        """The cache over the model's host store (built once; again if the model's store appeared since)."""
+        store = self.model.host_store
+        if store is None:
+            store = self.cache.store if self.cache is not None else copy_to_store(self.model)
+        if self.cache is None or self.cache.store is not store:
+            self.cache = None  # free the old buffers first
+            self.cache = SwapCache(store, self.slots, self.model.device, self.staging)
+        return self.cache
+
+    def _stats(self, cache: SwapCache, tokens: int) -> dict:
+        counters = dict(cache.counters)
+        lookups = counters["hits"] + counters["misses"]
+        stats = {**counters, "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
+                 **cache.streams.stats()}
+        stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(tokens, 1)
+        stats.update(resident_experts_per_layer=self.slots, staging_buffers=self.staging, eviction_policy="lru",
+                     expert_cache_bytes=cache.device_bytes, memory_policy=self.memory)
+        return stats
+
+
+def copy_to_store(model: HybridMoEModel) -> HostExpertStore:
+    """A host store holding copies of the experts that are still on the device (the model keeps its own)."""
+    first = model.experts[0]
+    store = HostExpertStore(model.num_moe_layers, first.num_experts, first.hidden_dim, first.intermediate_dim,
+                            first.gate_up_proj.dtype, model.device)
+    for layer, module in enumerate(model.experts):
+        store.put_layer(layer, module.gate_up_proj.detach(), module.down_proj.detach())
+    return store
+
+
+def specter_slots(model: HybridMoEModel, config: SpecterConfig) -> int:
+    """Specter's FP slots per layer (every expert when it keeps them all resident)."""
+    return config.resident_experts_per_layer or model.num_experts
+
+
+def make_mo_sc(model: HybridMoEModel, specter_config: SpecterConfig) -> MixtralOffloading:
+    """MO-SC: exactly Specter's FP slots per layer."""
+    system = MixtralOffloading(model, specter_slots(model, specter_config), memory="same cache")
+    system.name = "mo_sc"
+    return system
+
+
+def make_mo_sm(model: HybridMoEModel, specter_config: SpecterConfig) -> MixtralOffloading:
+    """MO-SM: Specter's GPU memory, its INT4 draft bytes spent on extra FP slots."""
+    plan = plan_memory(model.spec, model.hf.config, model.dtype)
+    system = MixtralOffloading(model, same_memory_slots(specter_slots(model, specter_config), plan),
+                               memory="same memory")
+    system.name = "mo_sm"
+    return system
