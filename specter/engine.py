@@ -83,7 +83,7 @@ class SpecterEngine:
             routed = self._take_target_routing()
             if routed:
                 self._window_sets.append(sum(len(s) for s in routed.values()) / len(routed))
-            if self.planner.traces:
+            if k and self.planner.traces:  # a last pass with nothing drafted had no plan
                 quality.add(self.planner.traces[-1].planned, routed)
             self._count_io_floor(routed)
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)

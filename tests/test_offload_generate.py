@@ -69,6 +69,9 @@ def test_stats_of_an_offloaded_run():
     loads = s["misses"] + s["wasted_loads"] + s["prefetch_loads"]  # every copy is one of these
     assert s["h2d_bytes"] == loads * model.offload.store.expert_bytes
     assert 0 < s["misses_planned"] <= s["misses"]  # verification loads most misses on the draft's plan
+    late = specter.SpecterConfig(k=4, resident_experts_per_layer=2, initial_chunk=8)  # no draft-time prefetch:
+    ahead = specter.SpecterEngine(model, late).generate(prompt(), NEW).stats  # slots keep unplanned leftovers
+    assert ahead["prefetch_loads"] == 0 and ahead["loads_ahead"] > 0  # loaded while the previous layer ran
     assert 0 <= s["hit_rate"] <= 1 and s["hits"] >= s["hits_prefetched"]
     assert 0 < s["prefetch_precision"] <= 1 and 0 < s["prefetch_recall"] <= 1
     assert 1 <= s["working_set_mean"] <= model.num_experts and s["wait_ms"] >= 0

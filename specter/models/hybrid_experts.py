@@ -41,9 +41,12 @@ class HybridExperts(nn.Module):
         self.routing_observer: RoutingObserver | None = None
         self.target_executor: TargetExecutor | None = None
         self.draft_backend = "auto"  # "auto": fused kernel on CUDA; "reference": the torch reference
+        # Shared by all layers of a model. A captured draft graph points into it: a later draft forward
+        # over more tokens than at capture would grow (reallocate) it, so a second model needs its own.
+        self.draft_workspace = DRAFT_WORKSPACE
 
     @classmethod
-    def from_hf(cls, hf_experts: nn.Module, moe_layer: int) -> "HybridExperts":
+    def from_hf(cls, hf_experts: nn.Module, moe_layer: int) -> HybridExperts:
         """Take over an HF experts module: its FP parameters become the target weights (no copy),
         their RTN INT4 quantization the draft weights."""
         e, two_i, h = hf_experts.gate_up_proj.shape
@@ -87,7 +90,7 @@ class HybridExperts(nn.Module):
         """INT4 routed experts: the fused Triton kernel on CUDA, the torch reference elsewhere."""
         if hidden.is_cuda and TRITON_AVAILABLE and self.draft_backend != "reference":
             return fused_int4_moe(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
-                                  self.act_fn, workspace=DRAFT_WORKSPACE)
+                                  self.act_fn, workspace=self.draft_workspace)
         return int4_moe_reference(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down, self.act_fn)
 
     def extra_repr(self) -> str:

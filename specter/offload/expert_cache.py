@@ -94,7 +94,7 @@ class ExpertCache:
             slots.clear()
         self.predicted, self.window_plan, self.verify_plan = {}, {}, {}
         self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "misses_planned": 0, "wasted_loads": 0,
-                         "prefetch_loads": 0, "evictions": 0}
+                         "loads_ahead": 0, "prefetch_loads": 0, "evictions": 0}
 
     @property
     def device_bytes(self) -> int:
@@ -141,6 +141,18 @@ class ExpertCache:
         slots.protected[slot] += 1
         slots.lru.move_to_end(slot)
         return slot
+
+    def load_ahead(self, layer: int, expert: int, keep: frozenset) -> bool:
+        """Start loading `expert` into an unprotected slot whose expert is not in `keep` (a layer's
+        verification plan); False if there is none. Not protected: nothing runs on the layer before it."""
+        slots = self.layers[layer]
+        slot = self.policy.victim(layer, slots, self.predicted, keep)
+        if slot is None:
+            return False
+        self._load(layer, expert, DEMAND, slot)
+        slots.lru.move_to_end(slot)
+        self.counters["loads_ahead"] += 1
+        return True
 
     def count_lookups(self, layer: int, routed: list[int], resident: dict[int, int], planned: set,
                       prefetched: set) -> None:

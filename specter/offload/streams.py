@@ -61,7 +61,7 @@ class DeviceStreams:
         torch.cuda.current_stream().wait_event(ready)
         self._stalls.append((before, self.record()))
 
-    def read_later(self, tensor: torch.Tensor) -> "HostRead":
+    def read_later(self, tensor: torch.Tensor) -> HostRead:
         """Start copying a small device tensor to the host now (pinned, async); `.result()` waits for that
         copy alone, so work enqueued after this call keeps the GPU busy while the host waits."""
         if not self.cuda:

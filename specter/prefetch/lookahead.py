@@ -36,7 +36,7 @@ class PatternAnalyzer:
         values, experts = self.elb.counts.sort(dim=1, descending=True, stable=True)  # [L, E] each
         return torch.stack([torch.where(values > 0, experts, -1), values])  # [2, L, E]; -1 = never picked
 
-    def read_later(self, streams: DeviceStreams) -> "Ranking":
+    def read_later(self, streams: DeviceStreams) -> Ranking:
         """The ranking as it stands now, copied to the host in the background (read on first use)."""
         packed = self._packed()
         return Ranking(streams.read_later(packed if packed.is_cuda else packed.clone()))

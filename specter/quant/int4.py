@@ -31,7 +31,7 @@ class Int4Linear:
     def out_features(self) -> int:
         return self.qweight.shape[-1]
 
-    def to(self, device=None, dtype=None) -> "Int4Linear":
+    def to(self, device=None, dtype=None) -> Int4Linear:
         return Int4Linear(self.qweight.to(device), self.scales.to(device=device, dtype=dtype), self.group_size)
 
     def nbytes(self) -> int:

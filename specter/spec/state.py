@@ -1,8 +1,8 @@
 """State manager: the authoritative token sequence and the target KV cache, with commit and rollback."""
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, StaticCache

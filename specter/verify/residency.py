@@ -33,6 +33,7 @@ class ResidencyManager:
         self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
         self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens routed to each expert (target)
+        self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -59,14 +60,29 @@ class ResidencyManager:
     def _expert_wise(self, module, hidden, top_k_index, rows) -> None:
         layer, cache = module.moe_layer, self.cache
         routing = cache.streams.read_later(top_k_index)  # [T, k], in flight while the waves are enqueued
-        prefetched = cache.prefetched_experts(layer)
-        resident = cache.protect_resident(layer)
+        prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
+        resident = cache.protect_resident(layer)  # includes the experts loaded ahead (wave 0 waits for them)
         planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]
         self._stream(module, hidden, top_k_index, list(resident.items()), deque(planned), rows)
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
-        cache.count_lookups(layer, routed, resident, set(planned), prefetched)
+        hits_possible = {e: s for e, s in resident.items() if e not in ahead}
+        cache.count_lookups(layer, routed, hits_possible, set(planned) | ahead, prefetched)
         unplanned = deque(e for e in routed if e not in resident and e not in planned)
         self._stream(module, hidden, top_k_index, [], unplanned, rows)
+        self._load_ahead(layer + 1)
+
+    def _load_ahead(self, layer: int) -> None:
+        """Start the next layer's planned loads into its slots that hold nothing it plans to use, so the
+        copy stream goes on from this layer's loads instead of idling until the next layer's first wave."""
+        if layer >= len(self.cache.layers) or not self.cache.verify_plan:
+            return
+        plan = self.cache.verify_plan.get(layer, ())
+        keep = frozenset(plan)
+        for expert in plan:
+            if self.cache.slot_of(layer, expert) is None:
+                if not self.cache.load_ahead(layer, expert, keep):
+                    return
+                self.loaded_ahead.setdefault(layer, set()).add(expert)
 
     def _stream(self, module, hidden, top_k_index, current: list, pending: deque, rows) -> None:
         """Run `current` (resident (expert, slot) pairs), then load and run `pending` experts in waves."""
@@ -110,7 +126,7 @@ class ResidencyManager:
             self.cache.release(layer, slot)
 
     def reset(self) -> None:
-        self.demand, self.working_sets, self.routing_counts = {}, [], {}
+        self.demand, self.working_sets, self.routing_counts, self.loaded_ahead = {}, [], {}, {}
 
     def take_demand(self) -> dict[int, set]:
         """The target's routing since the last call (one verify window), cleared with the window's plan."""
