@@ -24,7 +24,7 @@ def run_main(cfg, out_dir: Path, open_writer):
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
     systems = [build_system(name, model, config) for name in cfg.systems]
     run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(), cfg.strict,
-              tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens})
+              tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps)
     return header(model, config, cfg, "main"), ("system", "dataset")
 
 
@@ -64,7 +64,7 @@ def run_prefix(cfg, out_dir: Path, open_writer):
     for prefix in cfg.experiment.prefix_values:
         prompts = encode_prompts(model, texts, int(prefix))
         run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, writer, cfg.strict,
-                  tags={"k": config.k, "prefix_tokens": int(prefix)})
+                  tags={"k": config.k, "prefix_tokens": int(prefix)}, token_caps=cfg.token_caps)
     return header(model, config, cfg, "prefix"), ("system", "prefix_tokens")
 
 

@@ -1,0 +1,33 @@
+"""The measurement protocol with stand-in systems: token caps for slow systems, prefix token checks."""
+import torch
+
+from experiments.protocol import run_cases
+from experiments.records import RecordWriter
+from specter.metrics import GenerationResult
+
+
+class Counting:
+    """Emits 0, 1, 2, ... (target-only) or the same with one token changed at `wrong`."""
+
+    def __init__(self, name: str, wrong: int | None = None) -> None:
+        self.name, self.wrong, self.calls = name, wrong, []
+
+    def available(self):
+        return True, ""
+
+    def generate(self, input_ids, max_new_tokens):
+        self.calls.append(max_new_tokens)
+        tokens = [-1 if i == self.wrong else i for i in range(max_new_tokens)]
+        return GenerationResult(tokens, {"generated_tokens": max_new_tokens, "tpot_ms": 1.0})
+
+
+def test_a_capped_system_decodes_fewer_tokens_checked_against_the_same_prefix(tmp_path):
+    target, slow, wrong = Counting("target_only"), Counting("slow"), Counting("wrong", wrong=2)
+    writer = RecordWriter(tmp_path)
+    prompts = {"builtin": [torch.tensor([[1, 2, 3]])]}
+    run_cases([target, slow, wrong], prompts, 1, 12, writer, token_caps={"slow": 4, "wrong": 5})
+    assert target.calls[-1] == 12 and slow.calls[-1] == 4 and wrong.calls[-1] == 5  # the last call is the case
+    rows = {r["system"]: r for r in writer.rows}
+    assert rows["slow"]["generated_tokens"] == 4 and rows["slow"]["tokens_match_target"] == "yes"
+    assert rows["wrong"]["tokens_match_target"] == "no"
+    assert rows["target_only"]["generated_tokens"] == 12
