@@ -10,10 +10,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-import pandas as pd
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
 
-from specter.errors import SpecterError
+from specter.errors import SpecterError  # noqa: E402
 
 
 def _summaries(root: Path, experiment: str, name: str = "summary.csv") -> pd.DataFrame:

@@ -13,12 +13,12 @@ from specter.models.registry import TINY_MODELS, get_spec
 torch.set_num_threads(2)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None)
 def tiny_model(name: str, seed: int = 0) -> specter.HybridMoEModel:
     return specter.load_model(name, device="cpu", dtype=torch.float32, seed=seed)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None)
 def pristine_hf(name: str, seed: int = 0):
     """The same seeded model without Specter's module swap: HF's own experts and generate()."""
     return build_synthetic(get_spec(name), torch.device("cpu"), torch.float32, seed)

@@ -64,8 +64,9 @@ def test_mode_context_restores_previous_mode():
     with model.mode(DRAFT):
         assert all(m.mode == DRAFT for m in model.experts)
     assert all(m.mode == TARGET for m in model.experts)
-    with pytest.raises(ValueError), model.mode("fp8"):
-        pass
+    with pytest.raises(ValueError):
+        with model.mode("fp8"):
+            pass
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (7, 2), (16, 3)])

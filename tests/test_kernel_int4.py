@@ -1,14 +1,15 @@
 """Fused INT4 MoE Triton kernel against the torch reference: CPU interpreter cases, real shapes on CUDA."""
-import pytest
-import torch
-
 from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_cases  # noqa: F401 (before triton)
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specter.kernels import int4_moe as K
-from specter.kernels.reference import int4_moe_reference
-from specter.quant.int4 import quantize_rtn
+from specter.kernels import int4_moe as K  # noqa: E402
+from specter.kernels.reference import int4_moe_reference  # noqa: E402
+from specter.quant.int4 import quantize_rtn  # noqa: E402
 
 SILU = torch.nn.functional.silu
 

@@ -1,17 +1,17 @@
 """Slot-buffer FP MoE Triton kernel against the torch reference: CPU interpreter cases, real shapes on CUDA."""
-import subprocess
-import sys
+from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_cases  # noqa: F401 (before triton)
 
-import pytest
-import torch
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
-from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_cases
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specter.kernels import slot_moe as K
-from specter.kernels.int4_moe import KernelConfig, MoEWorkspace
-from specter.kernels.reference import combine_rows, expert_wise_moe
+from specter.kernels import slot_moe as K  # noqa: E402
+from specter.kernels.int4_moe import KernelConfig, MoEWorkspace  # noqa: E402
+from specter.kernels.reference import combine_rows, expert_wise_moe  # noqa: E402
 
 SILU = torch.nn.functional.silu
 SENTINEL = 123.0

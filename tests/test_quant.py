@@ -2,15 +2,8 @@
 import pytest
 import torch
 
-from specter.quant.int4 import (
-    GROUP_SIZE,
-    dequantize,
-    pack_codes,
-    quantize_rtn,
-    select_expert,
-    symmetric_scales,
-    unpack_codes,
-)
+from specter.quant.int4 import (GROUP_SIZE, dequantize, pack_codes, quantize_rtn, select_expert,
+                                symmetric_scales, unpack_codes)
 
 
 @pytest.mark.parametrize("shape", [(8, 128), (3, 16, 256), (2, 5, 384)])
