@@ -15,7 +15,7 @@ from specter.offload.runtime import offload_experts
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import NoPrefetch, PrefetchPlanner
 from specter.prefetch.quality import PrefetchQuality
-from specter.spec.sampling import greedy_accept, logits_to_probs, rejection_accept, sample
+from specter.spec.sampling import greedy_accept, logits_to_probs, next_token, rejection_accept, seeded_generator
 from specter.spec.state import StateManager, new_static_cache
 
 
@@ -69,7 +69,7 @@ class SpecterEngine:
         self._reset()
         metrics, quality = DecodeMetrics(self.model.device), PrefetchQuality()
         state = StateManager(self.model, input_ids, self._static_cache(input_ids.shape[1] + max_new_tokens))
-        first = self._choose(state.prefill())
+        first = int(next_token(state.prefill(), self.config, self.generator)[0])
         self._capture_draft_graph(state)
         state.commit([first], kv_keep=state.kv_length)
         metrics.commit(1)
@@ -121,7 +121,7 @@ class SpecterEngine:
                 if self.draft_graph is not None:
                     token, p = self.draft_graph.step(x), None
                 else:
-                    token, p = self._draft_token(self.model.forward(x, state.cache, DRAFT)[0, -1])
+                    token, p = next_token(self.model.forward(x, state.cache, DRAFT)[0, -1], self.config, self.generator)
                 tokens.append(token)
                 probs.append(p)
                 x = token.view(1, 1)
@@ -149,19 +149,6 @@ class SpecterEngine:
             self.draft_graph, reason = capture_draft_step(self.model, state.cache, self.elb, state.kv_length)
             self.graph_status = "on" if self.draft_graph is not None else f"failed: {reason}"
 
-    def _draft_token(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The draft's token [1] from logits [V] (argmax, or a sample with its distribution)."""
-        if self.config.greedy:
-            return logits.argmax(dim=-1, keepdim=True), None
-        p = logits_to_probs(logits, self.config.temperature, self.config.top_p)
-        return sample(p, self.generator).view(1), p
-
-    def _choose(self, logits: torch.Tensor) -> int:
-        """The target's token from one position's logits [V] (argmax or a sample)."""
-        if self.config.greedy:
-            return int(logits.argmax())
-        return int(sample(logits_to_probs(logits, self.config.temperature, self.config.top_p), self.generator))
-
     def _attach_offload(self):
         slots = self.config.resident_experts_per_layer
         if slots is None:
@@ -179,9 +166,7 @@ class SpecterEngine:
         self.elb.clear()
         self._io_floor_bytes = 0
         self._window_sets: list[float] = []  # per verify window: distinct experts per layer (mean over layers)
-        if not self.config.greedy:
-            self.generator = torch.Generator(device=self.model.device)
-            self.generator.manual_seed(self.config.seed)
+        self.generator = seeded_generator(self.config, self.model.device)
 
     def _snapshot_residency(self) -> None:
         """Which experts were resident when this window started (for the I/O floor)."""

@@ -13,6 +13,7 @@ from experiments.systems import build_system, known_systems
 from tests.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
+EXTERNAL_ENGINES = {"vllm", "llama_cpp"}
 CONF = ROOT / "conf"
 
 
@@ -44,7 +45,12 @@ def test_every_system_option_instantiates(system):
     cfg = compose_with()
     model = tiny_model("tiny")
     built = build_system(system, model, specter_config(cfg, model.spec))
-    assert built.name == system and built.available() == (True, "")
+    ok, reason = built.available()
+    assert built.name == system
+    if system in EXTERNAL_ENGINES:  # they cannot run tiny-dsv2 (see their tests): they must say why
+        assert ok or reason.strip()
+    else:
+        assert (ok, reason) == (True, "")
 
 
 def run_main(*args: str, cwd: Path) -> subprocess.CompletedProcess:

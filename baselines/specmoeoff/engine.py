@@ -18,7 +18,7 @@ from specter.offload.draft_graph import capture_draft_step
 from specter.offload.runtime import offload_experts
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.quality import PrefetchQuality
-from specter.spec.sampling import greedy_accept, logits_to_probs, rejection_accept, sample
+from specter.spec.sampling import greedy_accept, logits_to_probs, next_token, rejection_accept, seeded_generator
 from specter.spec.state import StateManager, new_static_cache
 
 MIN_STATIC_CACHE = 2048
@@ -106,7 +106,7 @@ class SpecMoEOff:
         target = StateManager(self.model, input_ids)
         draft = StateManager(self.draft_model, input_ids, self._static_cache(input_ids.shape[1] + max_new_tokens))
         start = time.perf_counter()
-        first = self._choose(target.prefill())
+        first = int(next_token(target.prefill(), self.config, self.generator)[0])
         self.costs.observe_verify(input_ids.shape[1], (time.perf_counter() - start) * 1e3, self._loads())
         draft.prefill()
         self._capture_draft_graph(draft)
@@ -169,17 +169,8 @@ class SpecMoEOff:
             for token in x[0]:  # one replay per input token
                 out = self.draft_graph.step(token)
             return out, None
-        logits = self.draft_model.forward(x, cache)[0, -1]  # [V]
-        if self.config.greedy:
-            return logits.argmax(dim=-1, keepdim=True), None
-        p = logits_to_probs(logits, self.config.temperature, self.config.top_p)
-        return sample(p, self.generator).view(1), p
+        return next_token(self.draft_model.forward(x, cache)[0, -1], self.config, self.generator)  # logits [V]
 
-    def _choose(self, logits: torch.Tensor) -> int:
-        """The target's token from one position's logits [V] (argmax or a sample)."""
-        if self.config.greedy:
-            return int(logits.argmax())
-        return int(sample(logits_to_probs(logits, self.config.temperature, self.config.top_p), self.generator))
 
     def _attach(self):
         """The target's experts through Specter's host store and LRU cache, verified token-wise (no fused kernel)."""
@@ -193,9 +184,7 @@ class SpecMoEOff:
         self.prefetcher.reset()
         self.elb.clear()
         self._k_trace, self._window_sets, self._io_floor_bytes = [], [], 0
-        if not self.config.greedy:
-            self.generator = torch.Generator(device=self.model.device)
-            self.generator.manual_seed(self.config.seed)
+        self.generator = seeded_generator(self.config, self.model.device)
 
     def _static_cache(self, length: int):
         """The draft's static KV cache when its step runs as a CUDA graph (else None: a dynamic cache)."""

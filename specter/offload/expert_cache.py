@@ -145,14 +145,7 @@ class ExpertCache:
     def load_ahead(self, layer: int, expert: int, keep: frozenset) -> bool:
         """Start loading `expert` into an unprotected slot whose expert is not in `keep` (a layer's
         verification plan); False if there is none. Not protected: nothing runs on the layer before it."""
-        slots = self.layers[layer]
-        slot = self.policy.victim(layer, slots, self.predicted, keep)
-        if slot is None:
-            return False
-        self._load(layer, expert, DEMAND, slot)
-        slots.lru.move_to_end(slot)
-        self.counters["loads_ahead"] += 1
-        return True
+        return self._load_unless_kept(layer, expert, DEMAND, keep, "loads_ahead")
 
     def count_lookups(self, layer: int, routed: list[int], resident: dict[int, int], planned: set,
                       prefetched: set) -> None:
@@ -182,16 +175,19 @@ class ExpertCache:
     def prefetch(self, layer: int, expert: int) -> bool:
         """Start loading `expert` unless resident; False if no slot is free of protection and of this
         window's plan (a window's prefetches never evict each other)."""
-        slots = self.layers[layer]
-        if expert in slots.slot_of:
+        if expert in self.layers[layer].slot_of:
             return True
         keep = frozenset(self.window_plan.get(layer, ()))
+        return self._load_unless_kept(layer, expert, PREFETCH, keep, "prefetch_loads")
+
+    def _load_unless_kept(self, layer: int, expert: int, reason: str, keep: frozenset, counter: str) -> bool:
+        slots = self.layers[layer]
         slot = self.policy.victim(layer, slots, self.predicted, keep)
         if slot is None:
             return False
-        self._load(layer, expert, PREFETCH, slot)
+        self._load(layer, expert, reason, slot)
         slots.lru.move_to_end(slot)
-        self.counters["prefetch_loads"] += 1
+        self.counters[counter] += 1
         return True
 
     def touch(self, layer: int, expert: int) -> None:

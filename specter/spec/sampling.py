@@ -24,6 +24,25 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def next_token(logits: torch.Tensor, config, generator: torch.Generator | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token [1] after logits [V]: argmax when `config.greedy`, else a sample at `config.temperature` /
+    `config.top_p`, returned with its distribution [V] (speculative sampling needs it)."""
+    if config.greedy:
+        return logits.argmax(dim=-1, keepdim=True), None
+    p = logits_to_probs(logits, config.temperature, config.top_p)
+    return sample(p, generator).view(1), p
+
+
+def seeded_generator(config, device: torch.device) -> torch.Generator | None:
+    """A generator seeded with `config.seed` for sampling (None when greedy): the same draws per request."""
+    if config.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(config.seed)
+    return generator
+
+
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, list[int]]:
     """Longest prefix of draft_tokens [k] equal to the target's argmax.
 
