@@ -137,6 +137,20 @@ def median_ms(fn, warmup: int, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def graph_replay(fn, x, idx, w):
+    """fn(x, idx, w) captured once as a CUDA graph (the fused kernel needs no host sync, as in the draft
+    step's graph): returns (replay function, its output tensor)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(x, idx, w)  # warm-up: compiles, sizes the workspace
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = fn(x, idx, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay, out
+
+
 def bench_layer(layer: Layer, args, kernels, device, dtype) -> list[dict]:
     rows, gen = [], torch.Generator(device=device).manual_seed(args.seed + 1)
     table = systems(layer, kernels, args.sweep)
@@ -151,18 +165,31 @@ def bench_layer(layer: Layer, args, kernels, device, dtype) -> list[dict]:
                          "experts": layer.experts, "top_k": layer.top_k, "tokens": tokens, "system": name,
                          "median_ms": round(ms, 4), "rel_err": f"{errs[name]:.2e}"})
             print(f"{layer.name:18s} T={tokens:<4d} {name:26s} {ms:9.4f} ms  rel_err {errs[name]:.2e}", flush=True)
+        if device.type == "cuda":  # the draft runs the fused kernel inside a CUDA graph: no launch overhead
+            replay, out = graph_replay(table["fused_int4"][0], x, idx, w)
+            replay()
+            err = rel_err(out, table["fused_int4"][0](x, idx, w).float())  # vs eager, same inputs
+            ms = median_ms(replay, args.warmup, args.reps, True)
+            rows.append({"model": layer.name, "hidden": layer.hidden, "intermediate": layer.inter,
+                         "experts": layer.experts, "top_k": layer.top_k, "tokens": tokens,
+                         "system": "fused_int4_graph", "median_ms": round(ms, 4), "rel_err": f"{err:.2e}"})
+            print(f"{layer.name:18s} T={tokens:<4d} {'fused_int4_graph':26s} {ms:9.4f} ms  vs eager {err:.2e}",
+                  flush=True)
     return rows
 
 
 def print_ratios(rows: list[dict]) -> None:
     """Speed-ups of the fused kernel per case: unfused/fused, fp16/fused, reference/fused (>1: fused faster)."""
     ms = {(r["model"], r["tokens"], r["system"]): r["median_ms"] for r in rows}
-    print(f"\n{'model':18s} {'T':>4s} {'fused ms':>9s} {'unfused/fused':>14s} {'fp16/fused':>11s} {'ref/fused':>10s}")
+    print(f"\n{'model':18s} {'T':>4s} {'fused ms':>9s} {'unfused/fused':>14s} {'fp16/fused':>11s} {'ref/fused':>10s} "
+          f"{'fp16/fused_graph':>15s}")
     for model, tokens in dict.fromkeys((r["model"], r["tokens"]) for r in rows):
         fused = ms[(model, tokens, "fused_int4")]
         ratio = lambda s: ms[(model, tokens, s)] / fused  # noqa: E731
+        graph = ms.get((model, tokens, "fused_int4_graph"))
+        graph_text = f"{ms[(model, tokens, 'fp16_expert_wise')] / graph:15.2f}" if graph else f"{'-':>15s}"
         print(f"{model:18s} {tokens:4d} {fused:9.4f} {ratio('unfused_int4'):14.2f} "
-              f"{ratio('fp16_expert_wise'):11.2f} {ratio('torch_int4_reference'):10.2f}")
+              f"{ratio('fp16_expert_wise'):11.2f} {ratio('torch_int4_reference'):10.2f} {graph_text}")
 
 
 def write_csv(rows: list[dict], out_dir: Path) -> Path:

@@ -46,8 +46,10 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     return {
         "system": name, "tpot_ms": mean("tpot_ms"), "ttft_ms": mean("ttft_ms"),
         "acceptance": mean("acceptance_rate"), "mean_accepted": mean("mean_accepted_length"),
-        "hit_rate": mean("hit_rate"), "planned_miss_share": mean("misses_planned") / mean("misses")
-        if runs[0].get("misses") else float("nan"), "wasted_loads": mean("wasted_loads"), "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
+        "hit_rate": mean("hit_rate"),
+        "planned_miss_share": mean("misses_planned") / mean("misses") if runs[0].get("misses") else float("nan"),
+        "wasted_loads": mean("wasted_loads"), "loads_ahead": mean("loads_ahead"),
+        "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
         "h2d_gbps": mean("h2d_gbps"), "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
         "draft_step_ms": mean("draft_ms") / mean("draft_tokens") if runs[0].get("draft_tokens") else float("nan"),
@@ -59,7 +61,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     }
 
 
-def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None) -> list[dict]:
+def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
+                plan_only: bool = False) -> list[dict]:
     t0 = time.time()
     model = specter.load_model(name, synthetic=True, device="cuda", dtype=torch.float16)
     spec = model.spec
@@ -78,6 +81,8 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
         suffix = "" if len(ks) == 1 else f"_k{k_i}"
         systems += [(f"specter_no_prefetch{suffix}", specter.SpecterEngine(model, config(k_i, prefetch=False))),
                     (f"specter{suffix}", specter.SpecterEngine(model, config(k_i)))]
+        if plan_only:  # no boundary inside the draft: only the verification plan (the draft's routing) is used
+            systems.append((f"specter_plan_only{suffix}", specter.SpecterEngine(model, config(k_i, initial_chunk=k_i))))
     systems.append(("specter_eager_draft", specter.SpecterEngine(model, config(k, cuda_graph=False))))
     for label, system in systems:
         t1 = time.time()
@@ -121,13 +126,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="*", help="speculation depths for Specter (default: the model's)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="also Specter without draft-time prefetch batches, loading only on the verification plan")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench_offload.py needs a CUDA GPU")
     rows = []
     for name in args.models:
-        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k)
+        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only)
         print_table(model_rows)
         rows += model_rows
     args.out.mkdir(parents=True, exist_ok=True)

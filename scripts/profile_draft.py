@@ -1,0 +1,100 @@
+"""Where the draft step's time goes (GPU): graph replay time, and the CUDA kernels of one step by total time.
+
+    python scripts/profile_draft.py --model dsv2 --out DIR
+
+Synthetic full-size weights (fp16), experts resident (the draft reads only the INT4 experts). Prints
+the replayed step's median time, then the top kernels of one eager step and of one replay, grouped by
+name (torch.profiler), and writes profile.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import specter  # noqa: E402
+from specter.models.hybrid_experts import DRAFT, TARGET  # noqa: E402
+from specter.offload.draft_graph import DraftStepGraph  # noqa: E402
+from specter.prefetch.lookahead import ExpertLookaheadBuffer  # noqa: E402
+from specter.spec.state import new_static_cache  # noqa: E402
+
+PROMPT_TOKENS = 16
+
+
+def replay_ms(graph: DraftStepGraph, token: torch.Tensor, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.step(token)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernel_table(fn, label: str, top: int) -> list[dict]:
+    """CUDA kernels run by fn(), grouped by name: calls and total ms, largest first."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += getattr(event, "device_time_total", 0.0) / 1e3  # us -> ms
+    if not totals:  # a profiler build that does not list kernels as events: its own table
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top))
+    rows = [{"run": label, "kernel": name[:90], "calls": n, "total_ms": round(ms, 4)}
+            for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
+    all_ms = sum(r["total_ms"] for r in rows)
+    print(f"\n{label}: {sum(r['calls'] for r in rows)} kernels, {all_ms:.3f} ms of kernel time")
+    for r in rows[:top]:
+        print(f"  {r['total_ms']:8.3f} ms  {r['calls']:5d}x  {r['kernel']}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dsv2")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: profile_draft.py needs a CUDA GPU")
+    model = specter.load_model(args.model, synthetic=True, device="cuda", dtype=torch.float16)
+    cache = new_static_cache(model, 256)
+    prompt = torch.randint(0, 256, (1, PROMPT_TOKENS), device="cuda")
+    model.forward(prompt, cache, TARGET)
+    elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
+    graph = DraftStepGraph(model, cache, elb, PROMPT_TOKENS)
+    token = torch.tensor([[65]], device="cuda")
+    print(f"{args.model}: draft step (graph replay) median {replay_ms(graph, token, args.reps):.3f} ms")
+
+    def eager_step():
+        with model.observe_draft_routing(elb.observe):
+            model.forward(token, cache, DRAFT)
+        for layer in cache.layers:  # roll the step back
+            layer.cumulative_length.fill_(PROMPT_TOKENS)
+
+    eager_step()
+    rows = kernel_table(eager_step, "eager step", args.top) + kernel_table(lambda: graph.step(token), "graph replay",
+                                                                            args.top)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "profile.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
