@@ -62,7 +62,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
 
 
 def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
-                plan_only: bool = False) -> list[dict]:
+                plan_only: bool = False, initial_chunk: int | None = None) -> list[dict]:
     t0 = time.time()
     model = specter.load_model(name, synthetic=True, device="cuda", dtype=torch.float16)
     spec = model.spec
@@ -75,7 +75,11 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
     reference = [r["tokens"] for r in resident]
     offload_experts(model, slots)
     rows = [summarize("target_only_resident", resident, reference)]
-    config = lambda k, **kw: specter.SpecterConfig(k=k, resident_experts_per_layer=slots, **kw)  # noqa: E731
+    chunk = {} if initial_chunk is None else {"initial_chunk": initial_chunk}
+
+    def config(k_i: int, **options) -> specter.SpecterConfig:
+        return specter.SpecterConfig(k=k_i, resident_experts_per_layer=slots, **{**chunk, **options})
+
     systems = [("target_only_offload", TargetOnly(model, slots))]
     for k_i in ks:
         suffix = "" if len(ks) == 1 else f"_k{k_i}"
@@ -126,6 +130,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, nargs="*", help="speculation depths for Specter (default: the model's)")
+    parser.add_argument("--initial-chunk", type=int, help="Specter's cold-start chunk (default: SpecterConfig's)")
     parser.add_argument("--plan-only", action="store_true",
                         help="also Specter without draft-time prefetch batches, loading only on the verification plan")
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -134,7 +139,8 @@ def main() -> None:
         sys.exit("error: bench_offload.py needs a CUDA GPU")
     rows = []
     for name in args.models:
-        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only)
+        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only,
+                                 args.initial_chunk)
         print_table(model_rows)
         rows += model_rows
     args.out.mkdir(parents=True, exist_ok=True)
