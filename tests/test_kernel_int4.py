@@ -8,6 +8,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from specter.kernels import int4_moe as K  # noqa: E402
+from specter.kernels import moe_align as A  # noqa: E402
 from specter.kernels.reference import int4_moe_reference  # noqa: E402
 from specter.quant.int4 import quantize_rtn  # noqa: E402
 
@@ -105,11 +106,18 @@ def test_non_default_tiles_and_workspace_reuse():
     assert ws.nbytes() > 0
 
 
-@pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 64, 6, 16), (7, 8, 2, 16), (40, 8, 3, 16), (33, 4, 1, 8)])
-def test_alignment_layout(tokens, experts, k, block_m):
+ALIGN_CASES = [(1, 64, 6, 16), (7, 8, 2, 16), (40, 8, 3, 16), (33, 4, 1, 8), (17, 65, 6, 16), (20, 9, 2, 32)]
+ALIGNERS = {"torch": A.moe_align_torch, "one_launch": A.moe_align_triton}
+
+
+@pytest.mark.parametrize("impl", list(ALIGNERS))
+@pytest.mark.parametrize("tokens,experts,k,block_m", ALIGN_CASES)
+def test_alignment_layout(tokens, experts, k, block_m, impl):
+    if impl == "one_launch" and not INTERPRETED:
+        pytest.skip("CPU tensors through Triton need the interpreter (the subprocess test runs this case)")
     gen = torch.Generator().manual_seed(tokens)
     idx = make_routing(tokens, experts, k, "hot", gen)  # [T, k]
-    a = K.moe_align_block_size(idx, experts, block_m)
+    a = ALIGNERS[impl](idx, experts, block_m)
     num_pairs, used = idx.numel(), int(a.num_padded)
     counts = torch.bincount(idx.reshape(-1), minlength=experts)
     assert torch.equal(a.padded_counts, (counts + block_m - 1) // block_m * block_m)
@@ -123,6 +131,23 @@ def test_alignment_layout(tokens, experts, k, block_m):
         assert len(pairs) > 0  # padding never fills a whole block
         assert torch.all(idx.reshape(-1)[pairs] == a.expert_ids[b])  # one expert per block
         assert torch.all(pairs[1:] > pairs[:-1])  # token order kept inside an expert
+
+
+@interpreted
+@pytest.mark.parametrize("tokens,experts,k,block_m", ALIGN_CASES)
+def test_one_launch_alignment_is_the_torch_alignment(tokens, experts, k, block_m):
+    idx = make_routing(tokens, experts, k, "uniform", torch.Generator().manual_seed(experts))
+    ws = A.MoEWorkspace()
+    one, ref = A.moe_align_triton(idx, experts, block_m, ws), A.moe_align_torch(idx, experts, block_m)
+    for field in ("sorted_pair_ids", "expert_ids", "num_padded", "padded_counts"):
+        assert torch.equal(getattr(one, field), getattr(ref, field)), field
+
+
+def test_alignment_dispatch_by_size():
+    small = torch.zeros(4, 2, dtype=torch.long)
+    large = torch.zeros(200, 8, dtype=torch.long)  # 1600 pairs x 64 experts: past one program
+    assert A._pow2(small.numel()) * A._pow2(8) <= A.MAX_ONE_LAUNCH < A._pow2(large.numel()) * A._pow2(64)
+    assert int(A.moe_align_block_size(large, 64, 16).num_padded) == 1600  # torch path, same contract
 
 
 def test_zero_tokens_and_argument_checks():
@@ -168,6 +193,16 @@ class TestCuda:
         assert out.dtype == torch.float16 and torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-2
         assert rel_err(kernels.unfused_int4_moe(x, idx, w, gate_up, down), out) < 1e-3
+
+    @pytest.mark.parametrize("tokens", [1, 17])  # a draft step; a K=16 verify window
+    def test_one_launch_alignment_on_cuda(self, kernels, layer, tokens):
+        _, _, experts, k = layer
+        idx = torch.rand(tokens, experts, device="cuda").topk(k).indices  # [T, k]
+        for num_experts in (experts, experts + 1):  # the slot kernel aligns over E + 1 (a sentinel expert)
+            assert A._pow2(idx.numel()) * A._pow2(num_experts) <= A.MAX_ONE_LAUNCH  # the dispatcher's choice
+            one, ref = A.moe_align_triton(idx, num_experts, 16), A.moe_align_torch(idx, num_experts, 16)
+            for field in ("sorted_pair_ids", "expert_ids", "num_padded", "padded_counts"):
+                assert torch.equal(getattr(one, field), getattr(ref, field)), field
 
     def test_fused_call_does_not_synchronize(self, kernels, layer):
         gate_up, down, experts, k = layer

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specter.kernels.moe_align import Alignment, MoEWorkspace, _scratch, moe_align_block_size
 from specter.quant.int4 import PACK, Int4Linear
 
 try:
@@ -33,66 +34,6 @@ class KernelConfig:
 
 
 DEFAULT_CONFIG = KernelConfig()
-
-
-class MoEWorkspace:
-    """Reusable intermediate buffers, keyed by (name, dtype, device) and grown on demand; one per stream."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for d in shape:
-            numel *= d
-        key = (name, dtype, torch.device(device))
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
-            self._buffers[key] = buf
-        return buf[:numel].view(shape)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-def _scratch(workspace: MoEWorkspace | None, name, shape, dtype, device) -> torch.Tensor:
-    if workspace is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return workspace.get(name, shape, dtype, device)
-
-
-@dataclass
-class Alignment:
-    """(token, slot) pairs sorted by expert, each expert's segment padded to a multiple of block_m."""
-
-    sorted_pair_ids: torch.Tensor  # [max_padded] int64, pair = token * k + slot; padding = T*k (sentinel)
-    expert_ids: torch.Tensor  # [max_padded / block_m] int64, the expert of each M-block
-    num_padded: torch.Tensor  # [1] int64, rows in use (blocks past it exit at once)
-    padded_counts: torch.Tensor  # [E] int64, padded rows per expert
-    block_m: int
-
-
-def moe_align_block_size(top_k_index: torch.Tensor, num_experts: int, block_m: int,
-                         workspace: MoEWorkspace | None = None) -> Alignment:
-    """Device-side sort-and-pad of the [T, k] routing (no host sync: sizes use an upper bound)."""
-    flat = top_k_index.reshape(-1).long()  # [P], P = T*k
-    num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount would sync on CUDA)
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_end = torch.cumsum(padded, 0)  # [E]
-    order = torch.argsort(flat, stable=True)  # [P] pair ids, grouped by expert, token order kept
-    expert_of = flat[order]  # [P]
-    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]  # [P]
-    dest = padded_end[expert_of] - padded[expert_of] + rank  # [P] row in the padded layout
-    active = min(num_pairs, num_experts)  # experts that can have tokens
-    max_blocks = -(-(num_pairs + active * (block_m - 1)) // block_m)
-    sorted_ids = _scratch(workspace, "sorted_ids", (max_blocks * block_m,), torch.long, device)
-    sorted_ids.fill_(num_pairs).scatter_(0, dest, order)  # [max_padded]
-    block_start = torch.arange(max_blocks, device=device) * block_m  # [max_blocks]
-    expert_ids = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1)
-    return Alignment(sorted_ids, expert_ids, padded_end[-1:], padded, block_m)
 
 
 if TRITON_AVAILABLE:
