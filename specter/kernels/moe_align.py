@@ -1,7 +1,8 @@
-"""Expert alignment of routed (token, slot) pairs: sort by expert, pad each expert to block_m rows (one launch on CUDA)."""
+"""Expert alignment of routed (token, slot) pairs: sorted by expert, each expert padded to block_m rows."""
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,21 @@ def moe_align_block_size(top_k_index: torch.Tensor, num_experts: int, block_m: i
     one program (CUDA, or the interpreter), else a sequence of torch ops (`moe_align_torch`)."""
     pairs, experts = _pow2(top_k_index.numel()), _pow2(num_experts)
     compiled = top_k_index.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if TRITON_AVAILABLE and compiled and pairs * experts <= MAX_ONE_LAUNCH:
-        return moe_align_triton(top_k_index, num_experts, block_m, workspace)
+    if TRITON_AVAILABLE and compiled and pairs * experts <= MAX_ONE_LAUNCH and _ONE_LAUNCH["ok"]:
+        try:
+            return moe_align_triton(top_k_index, num_experts, block_m, workspace)
+        except Exception as err:  # a Triton build that cannot compile it: say so once, keep decoding
+            _disable_one_launch(err)
     return moe_align_torch(top_k_index, num_experts, block_m, workspace)
+
+
+_ONE_LAUNCH = {"ok": True}  # set False (with a warning) if this Triton cannot compile the kernel
+
+
+def _disable_one_launch(err: Exception) -> None:
+    _ONE_LAUNCH["ok"] = False
+    warnings.warn(f"one-launch expert alignment failed ({type(err).__name__}: {str(err).splitlines()[0][:160]}); "
+                  "using the torch alignment", RuntimeWarning, stacklevel=3)
 
 
 def moe_align_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int,
