@@ -26,6 +26,8 @@ if [ "$TINY" = 1 ]; then
 else
   MODELS=(dsv2 qwen phi); COMMON=(); STEP_MIN=25
 fi
+MAIN_EXTRA=()
+[ "$TINY" = 1 ] || MAIN_EXTRA=("token_caps={transformers:16}")  # Accelerate-offloaded HF: seconds per token
 
 check_environment() {
   python3 - <<'PY' || { echo "error: the Python environment is not set up (see README: pip install -e .)" >&2; exit 2; }
@@ -49,7 +51,9 @@ if [ "$TINY" = 1 ] && ! python3 -c "import sys; from experiments.datasets import
   echo "note: no dataset files under \$SPECTER_DATA or ../shared/data; --tiny uses dataset=builtin"
 fi
 for m in "${MODELS[@]}"; do plan depth "$m" high; done
-for m in "${MODELS[@]}"; do for mem in high low; do plan main "$m" "$mem" k=auto; done; done
+# Figure 14: Specter and every baseline (a system that cannot run here gives "unavailable: <reason>" rows)
+MAIN_SYSTEMS="systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]"
+for m in "${MODELS[@]}"; do for mem in high low; do plan main "$m" "$mem" k=auto "$MAIN_SYSTEMS" "${MAIN_EXTRA[@]}"; done; done
 for m in "${MODELS[@]}"; do plan prefix "$m" high k=auto; done
 for m in "${MODELS[@]}"; do plan routing "$m" high k=auto; done
 plan kernel "${MODELS[0]}" high
