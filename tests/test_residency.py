@@ -1,0 +1,65 @@
+"""Residency manager under random plans: right or wrong verification plans never change the layer's output."""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specter.kernels.reference import expert_wise_moe
+from specter.offload.expert_cache import ExpertCache
+from specter.offload.host_store import HostExpertStore
+from specter.offload.streams import DeviceStreams
+from specter.verify.residency import ResidencyManager
+
+LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 3, 8, 16, 8, 2
+
+
+def make_runtime(slots: int, seed: int) -> tuple[ResidencyManager, HostExpertStore]:
+    gen = torch.Generator().manual_seed(seed)
+    store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
+    for layer in range(LAYERS):
+        store.put_layer(layer, torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen),
+                        torch.randn(EXPERTS, HIDDEN, INTER, generator=gen))
+    cache = ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")))
+    return ResidencyManager(cache), store
+
+
+def layer_module(layer: int) -> SimpleNamespace:
+    return SimpleNamespace(moe_layer=layer, num_experts=EXPERTS, intermediate_dim=INTER,
+                           act_fn=torch.nn.functional.silu)
+
+
+def random_plan(rng: random.Random, routed: set) -> list[int]:
+    """A plan that is right, partial, padded with wrong experts, or entirely wrong."""
+    kind = rng.choice(["exact", "partial", "padded", "wrong", "empty"])
+    others = sorted(set(range(EXPERTS)) - routed)
+    plan = {"exact": routed, "partial": set(rng.sample(sorted(routed), len(routed) // 2)),
+            "padded": routed | set(rng.sample(others, min(2, len(others)))),
+            "wrong": set(rng.sample(others, min(3, len(others)))), "empty": set()}[kind]
+    return rng.sample(sorted(plan), len(plan))  # any order
+
+
+@pytest.mark.parametrize("slots", [1, 2, 5])
+def test_random_plans_give_the_reference_output_and_consistent_counters(slots):
+    rng, manager, store = random.Random(slots), *make_runtime(slots, seed=slots)
+    cache = manager.cache
+    for window in range(40):
+        tokens = rng.randint(1, 6)
+        hidden = torch.randn(tokens, HIDDEN)
+        routing = [torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]) for _ in range(LAYERS)]
+        weights = torch.rand(tokens, TOP_K).softmax(-1)
+        cache.verify_plan = {layer: random_plan(rng, set(routing[layer].reshape(-1).tolist()))
+                             for layer in range(LAYERS)}
+        for layer in range(LAYERS):
+            before = dict(cache.counters)
+            out = manager(layer_module(layer), hidden, routing[layer], weights)
+            weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+            ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            delta = {key: cache.counters[key] - before[key] for key in before}
+            assert delta["hits"] + delta["misses"] == len(set(routing[layer].reshape(-1).tolist()))
+            assert all(p == 0 for p in cache.layers[layer].protected)  # every slot released
+        manager.take_demand()
+    copies = len(cache.streams._copies)
+    assert copies == cache.counters["misses"] + cache.counters["wasted_loads"]  # each copy: a miss or a wrong guess
+    assert cache.counters["loads_ahead"] > 0 or slots == 1
