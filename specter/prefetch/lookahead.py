@@ -15,11 +15,16 @@ class ExpertLookaheadBuffer:
 
     def __init__(self, num_layers: int, num_experts: int, device: torch.device) -> None:
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int32, device=device)  # [L, E]
+        self._ones = torch.ones(4096, dtype=torch.int32, device=device)  # addends, kept (one kernel less a step)
+        self._retired: list[torch.Tensor] = []  # outgrown addends stay alive: a captured graph may read them
 
     def observe(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Routing observer of HybridExperts in draft mode: add this step's top-k ids of `layer`."""
         ids = top_k_index.reshape(-1)  # [T*k]
-        self.counts[layer].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        if ids.numel() > self._ones.numel():
+            self._retired.append(self._ones)
+            self._ones = torch.ones(ids.numel(), dtype=torch.int32, device=ids.device)
+        self.counts[layer].index_add_(0, ids, self._ones[: ids.numel()])
 
     def clear(self) -> None:
         self.counts.zero_()
