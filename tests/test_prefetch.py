@@ -139,3 +139,16 @@ def test_a_later_batch_never_evicts_this_windows_earlier_prefetch():
     planner.end_window()
     assert cache.resident_experts(0) == {1, 2}  # 2 was prefetched for this window: 3 does not evict it
     assert cache.counters["evictions"] == 0
+
+
+def test_prefetch_never_evicts_an_expert_the_draft_routed_to():
+    planner, elb, cache = planner_with(slots=2, initial_chunk=1)
+    for expert in (0, 4):  # 0 least recently used; the draft will route to 0, never to 4
+        slot = cache.acquire(0, expert)
+        cache.release(0, slot)
+    planner.begin_window(3)
+    elb.observe(0, torch.tensor([[1, 2], [1, 2], [1, 0]]))  # ranking 1, 2, 0: the plan (top-2) is {1, 2}
+    for drafted in (1, 2, 3):
+        planner.after_draft_token(drafted)
+    assert cache.resident_experts(0) == {0, 1}  # 4 made room for 1; 2 found no slot (0 is predicted)
+    assert cache.counters["prefetch_loads"] == 1 and cache.counters["evictions"] == 1

@@ -173,11 +173,12 @@ class ExpertCache:
         return {e for e, s in slots.slot_of.items() if slots.loaded_by[s] == PREFETCH}
 
     def prefetch(self, layer: int, expert: int) -> bool:
-        """Start loading `expert` unless resident; False if no slot is free of protection and of this
-        window's plan (a window's prefetches never evict each other)."""
+        """Start loading `expert` unless resident; False if every unprotected slot holds an expert of this
+        window's plan or one the window's draft has routed to (a prefetch only replaces an expert with no
+        sign of being needed: evicting a predicted one would just move its load into verification)."""
         if expert in self.layers[layer].slot_of:
             return True
-        keep = frozenset(self.window_plan.get(layer, ()))
+        keep = frozenset(self.window_plan.get(layer, ())) | frozenset(self.predicted.get(layer, ()))
         return self._load_unless_kept(layer, expert, PREFETCH, keep, "prefetch_loads")
 
     def _load_unless_kept(self, layer: int, expert: int, reason: str, keep: frozenset, counter: str) -> bool:
