@@ -69,9 +69,6 @@ class Ranking:
                           for layer, (es, cs) in enumerate(zip(experts, counts))}
         return self._rows
 
-    def experts(self) -> dict[int, list[int]]:
-        return {layer: [e for e, _ in row] for layer, row in self.rows().items()}
-
     def get(self, layer: int, default=()) -> list[int]:
         """The experts of one layer (the verification plan's interface; waits for the copy once)."""
         row = self.rows().get(layer)

@@ -41,8 +41,9 @@ class ResidencyManager:
         if self.expert_wise:
             self._expert_wise(module, hidden, top_k_index, rows)  # rows: [T*k, H]
         else:
-            self._observe(module, top_k_index.tolist())
-            self._token_wise(module, hidden, top_k_index, rows)
+            routing = top_k_index.tolist()  # [T][k], the one host read of this layer
+            self._observe(module, routing)
+            self._token_wise(module, hidden, routing, rows)
         return combine_rows(rows, top_k_weights, hidden.dtype)
 
     def _observe(self, module, routing: list[list[int]]) -> list[int]:
@@ -62,12 +63,13 @@ class ResidencyManager:
         routing = cache.streams.read_later(top_k_index)  # [T, k], in flight while the waves are enqueued
         prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead (wave 0 waits for them)
-        planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]
+        planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]  # most routed first
         self._stream(module, hidden, top_k_index, list(resident.items()), deque(planned), rows)
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
         hits_possible = {e: s for e, s in resident.items() if e not in ahead}
         cache.count_lookups(layer, routed, hits_possible, set(planned) | ahead, prefetched)
-        unplanned = deque(e for e in routed if e not in resident and e not in planned)
+        computed = resident.keys() | set(planned)
+        unplanned = deque(e for e in routed if e not in computed)
         self._stream(module, hidden, top_k_index, [], unplanned, rows)
         self._load_ahead(layer + 1)
 
@@ -114,10 +116,10 @@ class ResidencyManager:
         for _, slot in wave:
             cache.release(layer, slot)
 
-    def _token_wise(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor, rows) -> None:
+    def _token_wise(self, module, hidden: torch.Tensor, routing: list[list[int]], rows) -> None:
         """Ablation: conventional chronological verification, one GEMV per (token, slot), loading on demand."""
-        layer, k = module.moe_layer, top_k_index.shape[1]
-        for pair, expert in enumerate(top_k_index.reshape(-1).tolist()):
+        layer, k = module.moe_layer, len(routing[0])
+        for pair, expert in enumerate(e for token in routing for e in token):
             slot = self.cache.acquire(layer, expert)
             self.cache.streams.wait(self.cache.ready_event(layer, slot))
             gate_up, down = self.cache.weights(layer, slot)
