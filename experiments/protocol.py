@@ -73,7 +73,7 @@ def _run_case(systems: list, key: dict, ids: torch.Tensor, max_new_tokens: int, 
     results = {}
     for system in systems:
         if not writer.done({**key, "system": system.name}):
-            tokens = min(max_new_tokens, int(token_caps.get(system.name, max_new_tokens)))
+            tokens = min(max_new_tokens, int(token_caps.get(system.name) or max_new_tokens))
             results[system.name] = system.generate(ids, tokens)
     reference = results["target_only"].token_ids if "target_only" in results else None
     for name, result in results.items():

@@ -61,8 +61,16 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     }
 
 
+def parse_variant(text: str) -> dict:
+    """'initial_chunk=1,prefetch_chunk=4' -> SpecterConfig options (integers)."""
+    try:
+        return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        sys.exit(f"error: --variants takes key=int[,key=int], got {text!r}")
+
+
 def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
-                plan_only: bool = False, initial_chunk: int | None = None) -> list[dict]:
+                plan_only: bool = False, initial_chunk: int | None = None, variants: tuple = ()) -> list[dict]:
     t0 = time.time()
     model = specter.load_model(name, synthetic=True, device="cuda", dtype=torch.float16)
     spec = model.spec
@@ -87,6 +95,8 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
                     (f"specter{suffix}", specter.SpecterEngine(model, config(k_i)))]
         if plan_only:  # no boundary inside the draft: only the verification plan (the draft's routing) is used
             systems.append((f"specter_plan_only{suffix}", specter.SpecterEngine(model, config(k_i, initial_chunk=k_i))))
+        systems += [(f"specter_{v}{suffix}", specter.SpecterEngine(model, config(k_i, **parse_variant(v))))
+                     for v in variants]
     systems.append(("specter_eager_draft", specter.SpecterEngine(model, config(k, cuda_graph=False))))
     for label, system in systems:
         t1 = time.time()
@@ -133,6 +143,8 @@ def main() -> None:
     parser.add_argument("--initial-chunk", type=int, help="Specter's cold-start chunk (default: SpecterConfig's)")
     parser.add_argument("--plan-only", action="store_true",
                         help="also Specter without draft-time prefetch batches, loading only on the verification plan")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="more Specter configurations, e.g. initial_chunk=1 prefetch_chunk=8")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -140,7 +152,7 @@ def main() -> None:
     rows = []
     for name in args.models:
         model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only,
-                                 args.initial_chunk)
+                                 args.initial_chunk, args.variants)
         print_table(model_rows)
         rows += model_rows
     args.out.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("error: profile_draft.py needs a CUDA GPU")
     model = specter.load_model(args.model, synthetic=True, device="cuda", dtype=torch.float16)
+    with torch.inference_mode():  # as the engine runs: the KV cache is made of inference tensors
+        profile(model, args)
+
+
+def profile(model, args) -> None:
+    """Replay time of the draft step, then the top kernels of an eager and a replayed step; profile.csv."""
     cache = new_static_cache(model, 256)
     prompt = torch.randint(0, 256, (1, PROMPT_TOKENS), device="cuda")
     model.forward(prompt, cache, TARGET)

@@ -20,6 +20,8 @@ class SpecterConfig:
     eviction: expert-cache victim policy, "lru" (the paper's) or "lookahead" (never evicts an expert
       the current draft window predicts while another slot will do).
     initial_chunk: draft tokens of the Cold Start chunk (observed before the first prefetch).
+    prefetch_chunk: draft steps whose compute one prefetch batch's transfer may span (1: a batch per
+      draft token, each issued as late as it can be).
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
     max_cache_len: positions of that static KV cache (grown when a request needs more).
@@ -34,6 +36,7 @@ class SpecterConfig:
     expert_wise: bool = True
     eviction: str = "lru"
     initial_chunk: int = 2
+    prefetch_chunk: int = 1
     cuda_graph: bool = True
     max_cache_len: int = 2048
 
@@ -47,8 +50,9 @@ class SpecterConfig:
             raise SpecterError(f"temperature must be >= 0, got {self.temperature}")
         if self.eviction not in ("lru", "lookahead"):
             raise SpecterError(f"eviction must be 'lru' or 'lookahead', got {self.eviction!r}")
-        if self.initial_chunk < 1:
-            raise SpecterError(f"initial_chunk must be >= 1, got {self.initial_chunk}")
+        for name in ("initial_chunk", "prefetch_chunk"):
+            if getattr(self, name) < 1:
+                raise SpecterError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.top_p <= 1.0:
             raise SpecterError(f"top_p must be in (0, 1], got {self.top_p}")
 

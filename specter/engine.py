@@ -53,7 +53,8 @@ class SpecterEngine:
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
         if self.runtime is not None and self.config.prefetch:
             self.planner = PrefetchPlanner(PatternAnalyzer(self.elb), self.runtime.cache,
-                                           initial_chunk=self.config.initial_chunk)
+                                           initial_chunk=self.config.initial_chunk,
+                                           prefetch_chunk=self.config.prefetch_chunk)
         else:
             self.planner = NoPrefetch()
         self.static_cache, self.draft_graph, self.graph_status = None, None, "off"

@@ -53,6 +53,16 @@ def test_every_system_option_instantiates(system):
         assert (ok, reason) == (True, "")
 
 
+@pytest.mark.parametrize("override", ["token_caps={transformers:16}", "token_caps.transformers=16"])
+def test_token_caps_override_from_the_command_line(override):
+    cfg = compose_with(override)
+    assert cfg.token_caps.transformers == 16 and cfg.token_caps.specter is None
+
+
+def test_every_system_option_can_be_capped():
+    assert set(known_systems()) <= set(compose_with().token_caps)
+
+
 def run_main(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=cwd, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},

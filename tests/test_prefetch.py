@@ -13,11 +13,11 @@ ROUTES = [([0, 1], [2, 3]), ([0, 2], [2, 4]), ([3, 0], [5, 0]), ([3, 1], [2, 0])
           ([5, 5], [1, 1]), ([5, 1], [1, 4]), ([5, 2], [1, 3])]
 
 
-def planner_with(slots: int, initial_chunk: int = 2):
+def planner_with(slots: int, initial_chunk: int = 2, prefetch_chunk: int = 1):
     cache = make_cache(slots)
     elb = ExpertLookaheadBuffer(LAYERS, EXPERTS, torch.device("cpu"))
     cost = CostModel(draft_ms_per_token=1.0, h2d_bytes_per_ms=2 * cache.store.expert_bytes, frozen=True)
-    return PrefetchPlanner(PatternAnalyzer(elb), cache, cost, initial_chunk), elb, cache
+    return PrefetchPlanner(PatternAnalyzer(elb), cache, cost, initial_chunk, prefetch_chunk=prefetch_chunk), elb, cache
 
 
 def draft_window(planner, elb, k: int, on_token=None) -> None:
@@ -63,7 +63,7 @@ def test_engine_draft_counts_equal_the_draft_routing():
 
 
 def test_phases_and_boundaries():
-    planner, elb, cache = planner_with(slots=4)
+    planner, elb, cache = planner_with(slots=4, prefetch_chunk=8)
     loads_after = {}
     draft_window(planner, elb, 8, on_token=lambda i: loads_after.setdefault(i, cache.counters["prefetch_loads"]))
     trace = planner.traces[-1]
@@ -76,6 +76,18 @@ def test_phases_and_boundaries():
     assert cache.resident_experts(0) == {0, 1, 2, 3} and cache.resident_experts(1) == {0, 2, 3, 4}
     assert int(elb.counts.sum()) == 0  # cleared at the end of the draft stage
     assert planner.phase == FINAL_CLEANUP
+
+
+def test_default_batches_span_one_draft_step_and_go_most_routed_first():
+    planner, elb, cache = planner_with(slots=4)  # prefetch_chunk=1: one draft step hides 2 experts
+    resident_after = {}
+    draft_window(planner, elb, 8, on_token=lambda i: resident_after.setdefault(
+        i, (cache.resident_experts(0), cache.resident_experts(1))))
+    trace = planner.traces[-1]
+    assert trace.boundaries == [2, 3, 4, 5] and trace.batch_sizes == [2, 2, 2, 2]
+    assert trace.phases[-1] == FINAL_CLEANUP
+    assert resident_after[3] == ({0}, {2})  # routed twice in the first two steps
+    assert cache.resident_experts(0) == {0, 1, 2, 3} and cache.resident_experts(1) == {0, 2, 3, 4}
 
 
 def test_batches_are_issued_once_the_next_step_is_queued_and_capped_by_the_rest_of_the_draft():

@@ -64,3 +64,19 @@ def test_random_plans_give_the_reference_output_and_consistent_counters(slots):
     copies = len(cache.streams._copies)
     assert copies == cache.counters["misses"] + cache.counters["wasted_loads"]  # each copy: a miss or a wrong guess
     assert cache.counters["loads_ahead"] > 0 or slots == 1
+
+
+def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
+    manager, _ = make_runtime(slots=4, seed=0)
+    cache, events = manager.cache, []
+    for expert in (0, 1, 2, 3):  # resident at the start
+        cache.release(0, cache.acquire(0, expert))
+    run_wave, load = manager._run_wave, cache.load
+    manager._run_wave = lambda module, h, idx, wave, rows: (events.append(("run", [e for e, _ in wave])),
+                                                            run_wave(module, h, idx, wave, rows))
+    cache.load = lambda layer, expert: (events.append(("load", expert)), load(layer, expert))[1]
+    routing = torch.tensor([[0, 4], [1, 5], [2, 6], [3, 7]])  # [T, k]: every expert once
+    cache.verify_plan = {0: [4, 5, 6, 7]}
+    manager(layer_module(0), torch.randn(4, HIDDEN), routing, torch.full((4, 2), 0.5))
+    assert events == [("run", [0, 1]), ("load", 4), ("load", 5), ("run", [2, 3]), ("load", 6), ("load", 7),
+                      ("run", [4, 5]), ("run", [6, 7])]

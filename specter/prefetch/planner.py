@@ -54,9 +54,11 @@ class PrefetchPlanner:
     Cold Start: the first chunk (`initial_chunk` tokens) only observes. At each boundary the counters
     are read in the background; once the next draft step is queued, the analyzer's top-M plan
     (M = slots per layer) minus the resident experts is issued as one batch on the copy stream, most
-    frequently routed experts first and no more than the rest of the draft can hide, and the next
-    boundary is set so the next chunk's draft time ~ that batch's transfer time (Prefetch Overlap; a
-    chunk is never shorter than the initial one, which bounds the host syncs). Once every slot holds a
+    frequently routed experts first and no more than `prefetch_chunk` draft steps can hide, and the
+    next boundary is set so the next chunk's draft time ~ that batch's transfer time (Prefetch
+    Overlap). Small batches issued late evict fewer experts that the rest of the window turns out to
+    need: each victim is an expert the draft has not routed to yet, and the later the batch, the less
+    likely the remaining draft steps route to it. Once every slot holds a
     planned expert or the draft is over, Final Cleanup: no more planning. At the end of the window the
     counters hold the draft's routing of the whole window: it becomes the cache's verification plan
     (experts that verification loads, after its resident wave, before reading its router), and the
@@ -64,9 +66,9 @@ class PrefetchPlanner:
     """
 
     def __init__(self, analyzer: PatternAnalyzer, cache: ExpertCache, cost: CostModel | None = None,
-                 initial_chunk: int = 2, clock=time.perf_counter) -> None:
+                 initial_chunk: int = 2, clock=time.perf_counter, prefetch_chunk: int = 1) -> None:
         self.analyzer, self.cache, self.cost = analyzer, cache, cost or CostModel()
-        self.initial_chunk, self.clock = initial_chunk, clock
+        self.initial_chunk, self.prefetch_chunk, self.clock = initial_chunk, prefetch_chunk, clock
         self.traces: list[WindowTrace] = []
         self.trace = WindowTrace(0)
 
@@ -101,20 +103,20 @@ class PrefetchPlanner:
         self.cost.observe_draft((now - self.last_time) * 1e3, drafted - self.last_boundary)
         self.cost.observe_bandwidth(self.cache.streams.measured_bandwidth())
         self.last_time, self.last_boundary = now, drafted
-        batch = self._issue(rows, self._capacity(self.trace.k - drafted))
+        batch = self._issue(rows, self._capacity(min(self.prefetch_chunk, self.trace.k - drafted)))
         full = all(len(planned & self.cache.resident_experts(layer)) >= self.cache.slots_per_layer
                    for layer, planned in self.trace.planned.items())
-        chunk = max(self.cost.chunk_tokens(batch * self.cache.store.expert_bytes), self.initial_chunk)
-        self.next_boundary = drafted + chunk  # at most one sync per initial chunk
+        chunk = self.cost.chunk_tokens(batch * self.cache.store.expert_bytes)
+        self.next_boundary = drafted + min(chunk, self.prefetch_chunk)  # at most one sync per draft token
         self.phase = FINAL_CLEANUP if full or self.next_boundary >= self.trace.k else PREFETCH_OVERLAP
         self.trace.boundaries.append(drafted)
         self.trace.phases.append(self.phase)
         self.trace.batch_sizes.append(batch)
 
-    def _capacity(self, remaining_tokens: int) -> int:
-        """Experts the remaining draft steps can hide the transfer of (at least one)."""
-        hidden_ms = remaining_tokens * self.cost.draft_ms_per_token
-        return max(1, int(hidden_ms * self.cost.h2d_bytes_per_ms // self.cache.store.expert_bytes))
+    def _capacity(self, tokens: int) -> int:
+        """Experts whose transfer `tokens` draft steps can hide (rounded up: the copy stream never idles)."""
+        hidden_ms = tokens * self.cost.draft_ms_per_token
+        return max(1, math.ceil(hidden_ms * self.cost.h2d_bytes_per_ms / self.cache.store.expert_bytes))
 
     def _issue(self, rows: dict[int, list[tuple[int, int]]], capacity: int) -> int:
         """Prefetch up to `capacity` planned experts that are not resident; returns how many were issued.

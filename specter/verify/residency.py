@@ -15,11 +15,11 @@ VERIFY_WORKSPACE = MoEWorkspace()  # intermediate buffers of the slot kernel, sh
 class ResidencyManager:
     """The target-mode executor of every HybridExperts layer when experts are offloaded.
 
-    Per layer, without waiting for the router: the resident experts run first, as one wave (the slot
-    kernel computes only the pairs routed to them); their slots then take, wave after wave, the
-    experts the draft routed to in this window (the verification plan, usually almost all of what the
-    target needs), each wave computing while the next one loads (double buffering). Only then does the
-    host read the router's top-k (its copy was started before the waves were enqueued, so the GPU and
+    Per layer, without waiting for the router: the resident experts run first (those already loaded
+    before those still arriving; the slot kernel computes only the pairs routed to them); their slots
+    then take, wave after wave, the experts the draft routed to in this window (the verification plan,
+    usually almost all of what the target needs). A wave is at most half the slots, so the slots of one
+    wave take new copies while the next computes. Only then does the host read the router's top-k (its copy was started before the waves were enqueued, so the GPU and
     the copy stream stay busy meanwhile): the router is authoritative, and any routed expert that
     neither was resident nor planned is loaded and computed last. A wave is one launch pair of the slot
     kernel on CUDA (tokens gathered per expert into dense tiles), the torch reference on CPU; the compute
@@ -64,7 +64,8 @@ class ResidencyManager:
         prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead (wave 0 waits for them)
         planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]  # most routed first
-        self._stream(module, hidden, top_k_index, list(resident.items()), deque(planned), rows)
+        ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
+        self._stream(module, hidden, top_k_index, ready_first, deque(planned), rows)
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
         hits_possible = {e: s for e, s in resident.items() if e not in ahead}
         cache.count_lookups(layer, routed, hits_possible, set(planned) | ahead, prefetched)
@@ -87,11 +88,18 @@ class ResidencyManager:
                 self.loaded_ahead.setdefault(layer, set()).add(expert)
 
     def _stream(self, module, hidden, top_k_index, current: list, pending: deque, rows) -> None:
-        """Run `current` (resident (expert, slot) pairs), then load and run `pending` experts in waves."""
-        arriving = self._load_wave(module.moe_layer, pending)
-        while current or arriving:
-            self._run_wave(module, hidden, top_k_index, current, rows)
-            current, arriving = arriving, self._load_wave(module.moe_layer, pending)
+        """Run `current` (resident (expert, slot) pairs) and load and run `pending` experts, a wave at a time.
+
+        A wave is at most half the layer's slots, so the slots of one wave take new copies while the next
+        wave computes: the copy stream is not held up by the compute of a whole layer's worth of slots.
+        """
+        layer, size = module.moe_layer, max(1, self.cache.slots_per_layer // 2)
+        queue = deque(current)
+        queue.extend(self._load_wave(layer, pending))
+        while queue:
+            wave = [queue.popleft() for _ in range(min(size, len(queue)))]
+            self._run_wave(module, hidden, top_k_index, wave, rows)
+            queue.extend(self._load_wave(layer, pending))  # into the slots that wave released
 
     def _load_wave(self, layer: int, pending: deque) -> list[tuple[int, int]]:
         """Start copies of missing experts into every slot that is free of protection; (expert, slot) pairs."""
