@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
-#   scripts/gpu_check.sh OUT_DIR [tests|profile|kernel|offload ...]   (default: all four, in this order)
+#   scripts/gpu_check.sh OUT_DIR [tests|profile|kernel|offload|report|llamacpp ...]
+#   (default: tests profile kernel offload, in this order)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; kernel: the fused INT4
 # kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 and qwen, mem=high, K=8 and 16,
-# with the verification-plan-only variant. Each step prints a short table and keeps going if another fails.
+# with the verification-plan-only variant. report: the harness with every system on MODELS x MEMS
+# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, resuming the result
+# directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
+# continue next time), a summary per directory in OUT_DIR. llamacpp: a CUDA (sm_90) build of
+# llama-cpp-python from the sdist staged by scripts/stage_llamacpp_cuda.sh (carry .llamacpp) into
+# /tmp/site-llama, then tiny-qwen against target-only on CUDA through the harness.
+# Each step prints a short table and keeps going if another fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR [tests|profile|kernel|offload ...]}"; shift
@@ -26,6 +33,30 @@ for step in "${STEPS[@]}"; do
                python3 scripts/bench_offload.py --models "$model" --k 8 16 --plan-only --out "$OUT/$model" 2>&1 \
                  | grep -v -i -E "warn|max_cache_len" | tail -14; rc=${PIPESTATUS[0]}
              done ;;
+    report) rc=0
+            for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
+              dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
+              python3 -m experiments.main model="$model" mem="$mem" model.weights=synthetic dataset=all \
+                'systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]' \
+                num_prompts="${NUM_PROMPTS:-1}" repeats=1 token_caps.transformers=8 results_dir="$dir" \
+                resume=$resume > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
+              grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
+            done; done
+            tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
+    llamacpp) site=/tmp/site-llama; sdist=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1)
+              python3 -m pip install -q --no-index --no-deps --target "$site" .llamacpp/diskcache-*.whl \
+                && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+                   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-index --no-deps \
+                   --no-build-isolation --target "$site" "$sdist" > "$OUT/llamacpp_build.log" 2>&1
+              rc=$?; tail -n 5 "$OUT/llamacpp_build.log"
+              if [ "$rc" = 0 ]; then
+                PYTHONPATH="$site:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST="$sdist" python3 -c \
+                  "import llama_cpp; print('llama.cpp', llama_cpp.__version__, 'gpu offload:', llama_cpp.llama_supports_gpu_offload())"
+                SPECTER_LLAMACPP_SDIST="$sdist" python3 -m baselines.gguf_convert --fetch
+                PYTHONPATH="$site:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST="$sdist" python3 -m experiments.main \
+                  model=tiny-qwen device=cuda 'systems=[target_only,llama_cpp]' num_prompts=1 repeats=1 \
+                  results_dir=/tmp/llamacpp-tiny 2>&1 | grep -E " AVG |error|unavailable"; rc=${PIPESTATUS[0]}
+              fi ;;
     *) echo "error: unknown step $step" >&2; rc=2 ;;
   esac
   [ "$rc" = 0 ] || status=1

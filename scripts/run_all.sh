@@ -27,7 +27,7 @@ else
   MODELS=(dsv2 qwen phi); COMMON=(); STEP_MIN=25
 fi
 MAIN_EXTRA=()
-[ "$TINY" = 1 ] || MAIN_EXTRA=("token_caps={transformers:16}")  # Accelerate-offloaded HF: seconds per token
+[ "$TINY" = 1 ] || MAIN_EXTRA=("token_caps.transformers=16")  # Accelerate-offloaded HF: seconds per token
 
 check_environment() {
   python3 - <<'PY' || { echo "error: the Python environment is not set up (see README: pip install -e .)" >&2; exit 2; }
