@@ -1,0 +1,44 @@
+"""Copy/compute overlap accounting of a profiler trace (hand-made events, times in microseconds)."""
+import json
+
+import pytest
+
+from specter.offload.trace_overlap import complement, intersect, merge, overlap_report, read_trace
+
+MB = 1 << 20
+
+
+def copy(ts, dur, nbytes=17 * MB):
+    return {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": ts, "dur": dur,
+            "args": {"bytes": nbytes}}
+
+
+def kernel(name, ts, dur):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_interval_algebra():
+    assert merge([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
+    assert intersect([(0, 3), (5, 8)], [(2, 6)]) == [(2, 3), (5, 6)]
+    assert complement([(1, 2), (4, 5)], 0, 6) == [(0, 1), (2, 4), (5, 6)]
+
+
+def test_overlap_report_splits_the_span(tmp_path):
+    events = [copy(0, 4000), copy(6000, 2000), copy(6500, 10, nbytes=64),  # the tiny copy is no expert
+              kernel("attention", 3000, 2000), kernel("slot_moe", 5000, 1000), kernel("slot_moe", 9000, 1000),
+              {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 100, "dur": 700}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report = overlap_report(read_trace(path))
+    assert report["span_ms"] == pytest.approx(10.0)
+    assert report["copy_busy_ms"] == pytest.approx(6.0) and report["compute_busy_ms"] == pytest.approx(4.0)
+    assert report["both_busy_ms"] == pytest.approx(1.0)  # attention over the first copy's last ms
+    assert report["copy_idle_compute_busy_ms"] == pytest.approx(3.0)
+    assert report["idle_ms"] == pytest.approx(1.0)  # 8-9 ms: nothing ran
+    assert report["expert_copies"] == 2 and report["host_wait_ms"] == pytest.approx(0.7)
+    assert report["kernels_while_copy_idle"] == [("slot_moe", 2.0), ("attention", 1.0)]
+
+
+def test_an_empty_trace_is_an_error():
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        overlap_report([{"cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 1}])
