@@ -5,6 +5,7 @@ from contextlib import nullcontext
 
 import torch
 
+from specter.batch.engine import check_batch, generate_batch
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
@@ -30,6 +31,11 @@ def check_prompt(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     if max_new_tokens < 1:
         raise SpecterError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     return input_ids.long()
+
+
+def is_batch(input_ids) -> bool:
+    """A list or tuple of prompts (each a token list or a tensor), as opposed to one prompt."""
+    return isinstance(input_ids, (list, tuple)) and any(isinstance(p, (list, tuple, torch.Tensor)) for p in input_ids)
 
 
 class SpecterEngine:
@@ -65,7 +71,13 @@ class SpecterEngine:
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32,
                  eos_token_id: int | None = None) -> GenerationResult:
-        """New tokens for a [1, T] prompt; stops early only at `eos_token_id` if one is given."""
+        """New tokens for a [1, T] prompt; stops early only at `eos_token_id` if one is given.
+
+        A batch (a list of prompts: token lists or tensors, any lengths) gives a list of results, one per
+        request, decoded together (greedy; `specter.batch`)."""
+        if is_batch(input_ids):
+            return generate_batch(self, check_batch(input_ids, max_new_tokens, check_prompt), max_new_tokens,
+                                  eos_token_id)
         input_ids = check_prompt(input_ids, max_new_tokens)
         self._reset()
         metrics, quality = DecodeMetrics(self.model.device), PrefetchQuality()

@@ -82,10 +82,16 @@ class HybridMoEModel:
             module.mode = name
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache, mode: str = TARGET) -> torch.Tensor:
-        """Logits [B, T, V] of `input_ids` [B, T] appended to `cache` (which it extends)."""
+    def forward(self, input_ids: torch.Tensor, cache, mode: str = TARGET, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] of `input_ids` [B, T] appended to `cache` (which it extends).
+
+        Batched decoding passes `attention_mask` [B, cached + T] (0 = a hole: padding or a rejected
+        position) and each request's own `position_ids` [B, T].
+        """
         with self.mode(mode):
-            return self.hf(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+            return self.hf(input_ids=input_ids, past_key_values=cache, use_cache=True, attention_mask=attention_mask,
+                           position_ids=position_ids).logits
 
     def shared_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors both modes read: everything except the routed experts."""

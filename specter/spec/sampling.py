@@ -50,8 +50,16 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
 
     target_logits [k+1, V]: position i predicts the token after draft i-1 (position 0 after the input).
     """
-    target_tokens = to_host(target_logits.argmax(dim=-1))  # [k+1]
-    drafts = to_host(draft_tokens)
+    return _accepted_prefix(to_host(draft_tokens), to_host(target_logits.argmax(dim=-1)))
+
+
+def greedy_accept_batch(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """greedy_accept of every request: draft_tokens [B, k], target_logits [B, k+1, V]; one host read."""
+    targets = to_host(target_logits.argmax(dim=-1))  # [B][k+1]
+    return [_accepted_prefix(drafts, target) for drafts, target in zip(to_host(draft_tokens), targets)]
+
+
+def _accepted_prefix(drafts: list[int], target_tokens: list[int]) -> tuple[int, list[int]]:
     n = 0
     while n < len(drafts) and drafts[n] == target_tokens[n]:
         n += 1

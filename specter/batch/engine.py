@@ -1,0 +1,129 @@
+"""Batched speculative decoding: B requests draft and verify together, each with its own acceptance."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from specter.errors import SpecterError
+from specter.metrics import DecodeMetrics, GenerationResult
+from specter.models.hybrid_experts import DRAFT, TARGET
+from specter.prefetch.quality import PrefetchQuality
+from specter.spec.sampling import greedy_accept_batch
+
+from .state import BatchState
+
+
+def check_batch(prompts, max_new_tokens: int, check_prompt) -> list[torch.Tensor]:
+    """Each prompt as a [1, T] LongTensor (a list of token lists or of tensors); at least one."""
+    if len(prompts) == 0:
+        raise SpecterError("a batch needs at least one prompt")
+    return [check_prompt(torch.as_tensor(p, dtype=torch.long), max_new_tokens) for p in prompts]
+
+
+def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
+                   eos_token_id: int | None = None) -> list[GenerationResult]:
+    """Greedy speculative decoding of B requests on one shared cache; one result per request.
+
+    Every pass drafts k tokens for all requests in lockstep (the lookahead counters and the prefetch
+    plan see the whole batch's routing) and verifies k + 1 positions of all requests in one target
+    forward, so each expert a layer needs is loaded once for every request that routes to it. Each
+    request accepts its own prefix; a request that is done (max_new_tokens or EOS) rides along and
+    commits nothing, so it never changes the others' tokens.
+    """
+    if not engine.config.greedy:
+        raise SpecterError("batched decoding is greedy only: use temperature=0")
+    engine._reset()
+    state = BatchState(engine.model, prompts)
+    metrics = [DecodeMetrics(engine.model.device) for _ in prompts]
+    first = state.prefill().argmax(dim=-1).tolist()  # [B]
+    state.commit_first(first)
+    for m in metrics:
+        m.commit(1)
+    engine._take_target_routing()  # the prefills' routing is not a verify window
+    quality = PrefetchQuality()
+    active = _active(state, max_new_tokens, eos_token_id)
+    while any(active):
+        k = min(engine.config.k, max(max_new_tokens - len(state.generated(r)) - 1 for r in range(len(active))
+                                     if active[r]))
+        engine._snapshot_residency()
+        outcome = verify(engine, state, draft(engine, state, k, metrics), metrics)
+        state.commit([tokens for _, tokens in outcome], [n for n, _ in outcome])
+        for r, (n, tokens) in enumerate(outcome):
+            if active[r]:
+                metrics[r].commit(len(tokens))
+                metrics[r].window(k, n)
+        _record_window(engine, quality, k)
+        active = _active(state, max_new_tokens, eos_token_id)
+    return _results(engine, state, metrics, quality, max_new_tokens, eos_token_id)
+
+
+def draft(engine, state: BatchState, k: int, metrics: list) -> torch.Tensor:
+    """k draft tokens per request [B, k]; all requests step together, routing counted for the planner."""
+    _phase(metrics, "draft", DecodeMetrics.begin)
+    tokens, x = [], state.last  # [B, 1]
+    observing = engine.model.observe_draft_routing(engine.elb.observe) if k else nullcontext()
+    with state.draft_scratch(), observing:
+        engine.planner.begin_window(k)
+        for i in range(k):
+            mask, positions = state.step_inputs(offset=i, length=1)
+            logits = engine.model.forward(x, state.cache, DRAFT, mask, positions)  # [B, 1, V]
+            x = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+            tokens.append(x)
+            engine.planner.after_draft_token(i + 1)
+        if k:
+            engine.planner.end_window()
+    _phase(metrics, "draft", DecodeMetrics.end)
+    return torch.cat(tokens, dim=1) if tokens else state.last[:, :0]
+
+
+def verify(engine, state: BatchState, drafts: torch.Tensor, metrics: list) -> list[tuple[int, list[int]]]:
+    """One target forward over [last, drafts] of every request; (accepted, tokens to commit) per request."""
+    _phase(metrics, "verify", DecodeMetrics.begin)
+    mask, positions = state.step_inputs(offset=0, length=drafts.shape[1] + 1)
+    verify_input = torch.cat([state.last, drafts], dim=1)  # [B, k+1]
+    logits = engine.model.forward(verify_input, state.cache, TARGET, mask, positions)  # [B, k+1, V]
+    outcome = greedy_accept_batch(drafts, logits)
+    _phase(metrics, "verify", DecodeMetrics.end)
+    return outcome
+
+
+def _phase(metrics: list, name: str, mark) -> None:
+    for m in metrics:
+        mark(m, name)
+
+
+def _active(state: BatchState, max_new_tokens: int, eos: int | None) -> list[bool]:
+    return [len(state.generated(r)) < max_new_tokens and not (eos is not None and eos in state.generated(r))
+            for r in range(state.batch_size)]
+
+
+def _record_window(engine, quality: PrefetchQuality, k: int) -> None:
+    routed = engine._take_target_routing()
+    if routed:
+        engine._window_sets.append(sum(len(s) for s in routed.values()) / len(routed))
+    if k and engine.planner.traces:
+        quality.add(engine.planner.traces[-1].planned, routed)
+    engine._count_io_floor(routed)
+
+
+def _results(engine, state: BatchState, metrics: list, quality: PrefetchQuality, max_new_tokens: int,
+             eos: int | None) -> list[GenerationResult]:
+    """Per request: its tokens and metrics, plus the batch's throughput and the shared cache's stats."""
+    summaries = [m.summary() for m in metrics]
+    total = sum(s["generated_tokens"] for s in summaries)
+    wall_ms = max(s["e2e_ms"] for s in summaries)
+    shared = engine._stats(metrics[0], quality)
+    shared = {key: value for key, value in shared.items() if key not in summaries[0]}
+    shared["draft_graph"] = "off: batched decoding runs eagerly"
+    if "h2d_bytes" in shared:
+        shared["h2d_bytes_per_token"] = shared["h2d_bytes"] / max(total, 1)
+    batch = {"batch_size": state.batch_size, "throughput_tok_s": total / wall_ms * 1e3 if wall_ms > 0 else float("nan"),
+             "mean_tpot_ms": sum(s["tpot_ms"] for s in summaries) / len(summaries)}
+    results = []
+    for r, summary in enumerate(summaries):
+        tokens = state.generated(r)[:max_new_tokens]
+        if eos is not None and eos in tokens:
+            tokens = tokens[: tokens.index(eos) + 1]
+        results.append(GenerationResult(tokens, {**summary, **shared, **batch}))
+    return results

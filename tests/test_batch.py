@@ -1,0 +1,76 @@
+"""Batched decoding: every request of a batch decodes exactly as it would alone (tiny models, float32)."""
+import pytest
+import torch
+
+import specter
+from specter.errors import SpecterError
+from tests.conftest import tiny_model
+
+PROMPTS = [[256, *b"Natalia sold clips"], [256, *b"def f(x):"], [256, *b"The tower is 324 metres tall, about"],
+           [256, 7]]
+
+
+def solo(engine, prompts, tokens, eos=None):
+    return [engine.generate(torch.tensor([p]), tokens, eos_token_id=eos).token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("slots", [None, 1])
+def test_every_request_equals_its_solo_decode(tiny_name, slots):
+    engine = specter.SpecterEngine(tiny_model(tiny_name), specter.SpecterConfig(k=4, resident_experts_per_layer=slots))
+    batch = engine.generate(PROMPTS, 16)
+    assert [r.token_ids for r in batch] == solo(engine, PROMPTS, 16)
+    histograms = {str(r.stats["accepted_length_histogram"]) for r in batch}
+    assert len(histograms) > 1  # the requests accepted different lengths: their KV holes differ
+    assert all(r.stats["batch_size"] == len(PROMPTS) and r.stats["throughput_tok_s"] > 0 for r in batch)
+
+
+def test_batch_of_one_equals_the_unbatched_engine():
+    engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=3, resident_experts_per_layer=2))
+    [result] = engine.generate([PROMPTS[0]], 12)
+    single = engine.generate(torch.tensor([PROMPTS[0]]), 12)
+    assert result.token_ids == single.token_ids
+    assert result.stats["acceptance_rate"] == single.stats["acceptance_rate"]
+
+
+def test_a_request_ending_early_does_not_disturb_the_others():
+    engine = specter.SpecterEngine(tiny_model("tiny-mixtral"), specter.SpecterConfig(k=4))
+    alone = solo(engine, PROMPTS, 16)
+    eos = alone[1][3]  # request 1 ends at (or before) its 4th token
+    batch = engine.generate(PROMPTS, 16, eos_token_id=eos)
+    assert batch[1].token_ids == alone[1][: alone[1].index(eos) + 1]
+    for r in (0, 2, 3):
+        expected = alone[r][: alone[r].index(eos) + 1] if eos in alone[r] else alone[r]
+        assert batch[r].token_ids == expected
+    assert batch[1].stats["generated_tokens"] < batch[0].stats["generated_tokens"]  # it stopped committing
+
+
+def test_batched_offload_shares_the_cache_and_counts_the_working_set():
+    engine = specter.SpecterEngine(tiny_model("tiny-qwen"), specter.SpecterConfig(k=4, resident_experts_per_layer=2))
+    one = engine.generate([PROMPTS[0]], 12)[0].stats
+    four = engine.generate(PROMPTS, 12)[0].stats
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean(four["window_working_sets"]) > mean(one["window_working_sets"])  # more requests, more experts
+    assert four["h2d_bytes_per_token"] < one["h2d_bytes_per_token"] * 4
+
+
+@pytest.mark.parametrize("bad, message", [([[]], "T >= 1"), ([[1, 2], []], "T >= 1")])
+def test_bad_batches_are_clear_errors(bad, message):
+    engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=2))
+    with pytest.raises(SpecterError, match=message):
+        engine.generate(bad, 4)
+
+
+def test_batched_sampling_is_refused():
+    engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=2, temperature=0.8))
+    with pytest.raises(SpecterError, match="greedy only"):
+        engine.generate(PROMPTS[:2], 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
+def test_batch_equals_solo_on_cuda_with_offload(name):
+    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2))
+    batch = engine.generate(PROMPTS, 24)
+    assert [r.token_ids for r in batch] == solo(engine, PROMPTS, 24)
+    assert batch[0].stats["h2d_bytes"] > 0
