@@ -9,7 +9,7 @@ import torch
 
 from baselines.target_only import TargetOnly
 from specter.config import SpecterConfig
-from specter.engine import check_prompt
+from specter.engine import check_prompt, is_batch
 from specter.errors import SpecterError
 from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
 from specter.metrics import GenerationResult
@@ -176,6 +176,7 @@ class MixtralOffloading:
     """
 
     name = "mixtral_offloading"
+    batch_mode = True
 
     def __init__(self, model: HybridMoEModel, slots: int, staging: int = STAGING_BUFFERS,
                  memory: str = "same cache") -> None:
@@ -191,13 +192,19 @@ class MixtralOffloading:
         return True, ""
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
-        input_ids = check_prompt(input_ids, max_new_tokens)
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
+        """New tokens of a [1, T] prompt; of each request for a batch (one step loads each expert once
+        for every request that routes to it)."""
+        if not is_batch(input_ids):
+            input_ids = check_prompt(input_ids, max_new_tokens)
         cache = self._swap_cache()
         cache.reset()
         with self._installed(SwapExecutor(cache, self.staging - 1)):
             result = self.loop.generate(input_ids, max_new_tokens)
-        result.stats.update(self._stats(cache, result.stats["generated_tokens"]))
+        results = result if isinstance(result, list) else [result]
+        stats = self._stats(cache, sum(r.stats["generated_tokens"] for r in results))
+        for r in results:
+            r.stats.update(stats)
         return result
 
     @contextmanager

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from specter.engine import check_prompt
+from specter.batch.engine import active_requests, batch_results, check_batch
+from specter.batch.state import BatchState
+from specter.engine import check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.runtime import offload_experts
@@ -18,6 +20,7 @@ class TargetOnly:
     """
 
     name = "target_only"
+    batch_mode = True
 
     def __init__(self, model: HybridMoEModel, resident_experts_per_layer: int | None = None) -> None:
         self.model = model
@@ -32,11 +35,16 @@ class TargetOnly:
         return True, ""
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
-        input_ids = check_prompt(input_ids, max_new_tokens)
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
+        """New tokens of a [1, T] prompt; of each request for a batch (a list of prompts)."""
+        batch = is_batch(input_ids)
+        prompts = check_batch(input_ids, max_new_tokens, check_prompt) if batch else None
+        input_ids = None if batch else check_prompt(input_ids, max_new_tokens)
         if self.runtime is not None:
             self.runtime = self._attach()  # another system may have switched the model's cache
             self.runtime.reset()
+        if batch:
+            return self._generate_batch(prompts, max_new_tokens)
         metrics = DecodeMetrics(self.model.device)
         state = StateManager(self.model, input_ids)
         next_token = state.prefill().argmax(dim=-1, keepdim=True)  # [1], stays on the device
@@ -52,3 +60,22 @@ class TargetOnly:
             stats.update(self.runtime.stats())
             stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(stats["generated_tokens"], 1)
         return GenerationResult(state.generated, stats)
+
+    def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[GenerationResult]:
+        """All requests one token per step in one forward [B, 1]; each expert loaded once per step for all."""
+        state = BatchState(self.model, prompts)
+        metrics = [DecodeMetrics(self.model.device) for _ in prompts]
+        state.commit_first(state.prefill().argmax(dim=-1).tolist())
+        active = active_requests(state, max_new_tokens, None)
+        for m in metrics:
+            m.commit(1)
+        while any(active):
+            mask, positions = state.step_inputs(offset=0, length=1)
+            logits = self.model.forward(state.last, state.cache, "target", mask, positions)  # [B, 1, V]
+            state.commit([[t] for t in logits[:, -1].argmax(dim=-1).tolist()], [0] * state.batch_size)
+            for m, was_active in zip(metrics, active):
+                if was_active:
+                    m.commit(1)
+            active = active_requests(state, max_new_tokens, None)
+        shared = self.runtime.stats() if self.runtime is not None else {}
+        return batch_results(state, metrics, max_new_tokens, None, shared)

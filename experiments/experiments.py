@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.batch import run_batch
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, run_cases
 from experiments.routing import run_routing
@@ -81,4 +82,4 @@ def run_kernel(cfg, out_dir: Path, open_writer):
 
 
 EXPERIMENTS = {"main": run_main, "depth": run_depth, "prefix": run_prefix, "routing": run_routing,
-               "kernel": run_kernel}
+               "kernel": run_kernel, "batch": run_batch}

@@ -107,7 +107,77 @@ def figure14_main(root: Path, out: Path) -> list[Path]:
     return _save(fig, data, out, "fig14_main")
 
 
-FIGURES = (figure7_depth, figure11_kernel, figure13_routing, figure14_main)
+def _batch_averages(root: Path) -> pd.DataFrame:
+    data = _summaries(root, "batch")
+    if "status" in data:
+        data = data[data.status.isna()]
+    return data[data.dataset == "AVG"] if not data.empty else data
+
+
+def figure15_batch(root: Path, out: Path) -> list[Path]:
+    """Mean TPOT (left) and throughput (right) vs batch size, one line per system and run."""
+    data = _batch_averages(root)
+    if data.empty:
+        return []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for (run, system), rows in data.groupby(["run", "system"], sort=False):
+        rows = rows.sort_values("batch_size")
+        left.plot(rows.batch_size, rows.tpot_ms, marker="o", label=f"{system} ({run})")
+        right.plot(rows.batch_size, rows.throughput_tok_s, marker="o", label=f"{system} ({run})")
+    left.set(xscale="log", xlabel="batch size", ylabel="mean TPOT (ms)")
+    right.set(xscale="log", yscale="log", xlabel="batch size", ylabel="throughput (tokens/s)")
+    left.legend(fontsize=6)
+    fig.suptitle("Figure 15: batched decoding")
+    return _save(fig, data, out, "fig15_batch")
+
+
+def figure16_working_set(root: Path, out: Path) -> list[Path]:
+    """Distinct experts per layer per verify window vs batch size (Specter's runs)."""
+    data = _batch_averages(root)
+    if data.empty or "working_set_mean" not in data or data.working_set_mean.isna().all():
+        return []
+    data = data[data.working_set_mean.notna()]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for (run, system), rows in data.groupby(["run", "system"], sort=False):
+        rows = rows.sort_values("batch_size")
+        ax.plot(rows.batch_size, rows.working_set_mean, marker="o", label=f"{system} ({run})")
+    ax.set(xscale="log", xlabel="batch size", ylabel="distinct experts / layer / window",
+           title="Figure 16: expert working set vs batch size")
+    ax.legend(fontsize=7)
+    return _save(fig, data, out, "fig16_working_set")
+
+
+def table3_batch(root: Path, out: Path) -> list[Path]:
+    """Per-dataset results at each run's largest batch size: CSV and a Markdown table."""
+    data = _summaries(root, "batch")
+    if "status" in data:
+        data = data[data.status.isna()]
+    if data.empty:
+        return []
+    largest = data.groupby("run").batch_size.transform("max")
+    cols = [c for c in ("run", "system", "dataset", "batch_size", "tpot_ms", "throughput_tok_s", "specter_speedup")
+            if c in data]
+    table = data[data.batch_size == largest][cols].astype({"batch_size": int})
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "table3_batch.csv", out / "table3_batch.md"]
+    table.to_csv(paths[0], index=False)
+    paths[1].write_text(markdown_table(table))
+    return paths
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A Markdown table (floats to two decimals, missing values as '-')."""
+    def cell(value) -> str:
+        if pd.isna(value):
+            return "-"
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + " --- |" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+FIGURES = (figure7_depth, figure11_kernel, figure13_routing, figure14_main, figure15_batch, figure16_working_set,
+           table3_batch)
 
 
 def render_all(root: Path) -> list[Path]:

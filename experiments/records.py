@@ -12,8 +12,8 @@ from specter.metrics import GenerationResult
 ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_length", "iterations",
              "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
              "h2d_bytes_per_token", "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
-             "prefetch_precision", "prefetch_recall")
-KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens")
+             "prefetch_precision", "prefetch_recall", "throughput_tok_s")
+KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size")
 FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target")
 
 
@@ -74,6 +74,9 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
         ok[col] = pd.to_numeric(ok[col], errors="coerce")
     metrics = {"tpot_ms": "mean", "ttft_ms": "mean", "acceptance_rate": "mean", "mean_accepted_length": "mean",
                "hit_rate": "mean", "h2d_bytes_per_token": "mean", "prompt_id": "nunique"}
+    for optional in ("throughput_tok_s", "working_set_mean"):  # batch experiment columns
+        if ok[optional].notna().any():
+            metrics[optional] = "mean"
     summary = ok.groupby(list(by), sort=False).agg(metrics).reset_index().rename(columns={"prompt_id": "prompts"})
     summary["h2d_mb_per_token"] = summary.pop("h2d_bytes_per_token") / 1e6
     summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]
@@ -83,7 +86,10 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
         avg["tokens_identical"] = ""
         summary = pd.concat([summary, avg], ignore_index=True)
     summary = _with_speedup(summary, [c for c in by if c != "system"])
-    return pd.concat([summary, missing.drop_duplicates()], ignore_index=True) if len(missing) else summary
+    summary = pd.concat([summary, missing.drop_duplicates()], ignore_index=True) if len(missing) else summary
+    if "batch_size" in summary:
+        summary["batch_size"] = pd.to_numeric(summary["batch_size"], errors="coerce").astype("Int64")
+    return summary
 
 
 def _identical(ok: pd.DataFrame, row, by) -> str:

@@ -56,6 +56,10 @@ MAIN_SYSTEMS="systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_s
 for m in "${MODELS[@]}"; do for mem in high low; do plan main "$m" "$mem" k=auto "$MAIN_SYSTEMS" "${MAIN_EXTRA[@]}"; done; done
 for m in "${MODELS[@]}"; do plan prefix "$m" high k=auto; done
 for m in "${MODELS[@]}"; do plan routing "$m" high k=auto; done
+# Figures 15-16 / Table 3: batched decoding on the first two models (the paper's DeepSeek-V2-Lite and Qwen1.5-MoE)
+BATCH_EXTRA=("k=auto")
+[ "$TINY" = 1 ] && BATCH_EXTRA+=("experiment.batch_sizes=[1,2,4]")
+for m in "${MODELS[@]:0:2}"; do plan batch "$m" high "${BATCH_EXTRA[@]}"; done
 plan kernel "${MODELS[0]}" high
 
 complete() { python3 -c "import json,sys; sys.exit(0 if json.load(open('$1/run.json')).get('complete') else 1)" 2>/dev/null; }

@@ -49,6 +49,7 @@ class SpecterEngine:
     """
 
     name = "specter"
+    batch_mode = True  # generate() also takes a list of prompts
 
     def __init__(self, model: HybridMoEModel, config: SpecterConfig | None = None) -> None:
         self.model = model

@@ -1,10 +1,15 @@
 """Batched decoding: every request of a batch decodes exactly as it would alone (tiny models, float32)."""
+import functools
+
 import pytest
 import torch
 
 import specter
 from specter.errors import SpecterError
 from tests.conftest import tiny_model
+
+fresh = functools.lru_cache(maxsize=None)(lambda name: specter.load_model(name, device="cpu", dtype=torch.float32))
+# offloading moves a model's experts to the host store: those tests use their own copy (`fresh`)
 
 PROMPTS = [[256, *b"Natalia sold clips"], [256, *b"def f(x):"], [256, *b"The tower is 324 metres tall, about"],
            [256, 7]]
@@ -16,7 +21,8 @@ def solo(engine, prompts, tokens, eos=None):
 
 @pytest.mark.parametrize("slots", [None, 1])
 def test_every_request_equals_its_solo_decode(tiny_name, slots):
-    engine = specter.SpecterEngine(tiny_model(tiny_name), specter.SpecterConfig(k=4, resident_experts_per_layer=slots))
+    model = tiny_model(tiny_name) if slots is None else fresh(tiny_name)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=slots))
     batch = engine.generate(PROMPTS, 16)
     assert [r.token_ids for r in batch] == solo(engine, PROMPTS, 16)
     histograms = {str(r.stats["accepted_length_histogram"]) for r in batch}
@@ -25,7 +31,7 @@ def test_every_request_equals_its_solo_decode(tiny_name, slots):
 
 
 def test_batch_of_one_equals_the_unbatched_engine():
-    engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=3, resident_experts_per_layer=2))
+    engine = specter.SpecterEngine(fresh("tiny"), specter.SpecterConfig(k=3, resident_experts_per_layer=2))
     [result] = engine.generate([PROMPTS[0]], 12)
     single = engine.generate(torch.tensor([PROMPTS[0]]), 12)
     assert result.token_ids == single.token_ids
@@ -45,7 +51,7 @@ def test_a_request_ending_early_does_not_disturb_the_others():
 
 
 def test_batched_offload_shares_the_cache_and_counts_the_working_set():
-    engine = specter.SpecterEngine(tiny_model("tiny-qwen"), specter.SpecterConfig(k=4, resident_experts_per_layer=2))
+    engine = specter.SpecterEngine(fresh("tiny-qwen"), specter.SpecterConfig(k=4, resident_experts_per_layer=2))
     one = engine.generate([PROMPTS[0]], 12)[0].stats
     four = engine.generate(PROMPTS, 12)[0].stats
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -74,3 +80,14 @@ def test_batch_equals_solo_on_cuda_with_offload(name):
     batch = engine.generate(PROMPTS, 24)
     assert [r.token_ids for r in batch] == solo(engine, PROMPTS, 24)
     assert batch[0].stats["h2d_bytes"] > 0
+
+
+@pytest.mark.parametrize("system", ["target_only", "mo_sm"])
+def test_autoregressive_baselines_batch_like_they_decode_alone(system):
+    from baselines.mixtral_offloading import MixtralOffloading
+    from baselines.target_only import TargetOnly
+    model = fresh("tiny-qwen")
+    baseline = TargetOnly(model, 2) if system == "target_only" else MixtralOffloading(model, 3, memory="same memory")
+    batch = baseline.generate(PROMPTS, 10)
+    assert [r.token_ids for r in batch] == [baseline.generate(torch.tensor([p]), 10).token_ids for p in PROMPTS]
+    assert all(r.stats["batch_size"] == len(PROMPTS) and r.stats["h2d_bytes"] > 0 for r in batch)

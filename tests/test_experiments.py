@@ -26,7 +26,8 @@ def results(tmp_path_factory) -> Path:
     """One tiny run of each experiment into <root>/<experiment>/tiny-dsv2-high."""
     root = tmp_path_factory.mktemp("results")
     for experiment, extra in (("depth", ("++experiment.k_values=[2,4]",)), ("main", ("k=auto",)),
-                              ("prefix", ("++experiment.prefix_values=[4,8]",)), ("routing", ()), ("kernel", ())):
+                              ("prefix", ("++experiment.prefix_values=[4,8]",)), ("routing", ()), ("kernel", ()),
+                              ("batch", ("experiment.batch_sizes=[1,3]",))):
         out = run_main(f"experiment={experiment}", *FAST, *extra, f"results_root={root}",
                        f"results_dir={root / experiment / 'tiny-dsv2-high'}")
         assert out.returncode == 0, (experiment, out.stderr[-2000:])
@@ -55,9 +56,21 @@ def test_depth_prefix_routing_kernel_outputs(results):
     assert kernel.status.str.startswith("unavailable: ").all()  # no CUDA: a reason, never a number
 
 
+def test_batch_rows_per_system_and_batch_size(results):
+    records = pd.read_csv(results / "batch" / "tiny-dsv2-high" / "records.csv")
+    ok = records[records.status == "ok"]
+    assert set(ok.system) == {"specter", "target_only", "mo_sm"} and set(ok.batch_size) == {1, 3}
+    assert len(ok) == 3 * 2 * 2  # systems x batch sizes x repeats
+    assert (ok[ok.system != "target_only"].tokens_match_target == "yes").all()  # every request, every batch
+    assert (ok.throughput_tok_s > 0).all() and (ok[ok.system == "specter"].working_set_mean >= 1).all()
+    reasons = records[records.status != "ok"].set_index("system").status
+    assert reasons["specmoeoff_sm"].startswith("unavailable: no batch mode") and "transformers" in reasons
+
+
 def test_figures_render_from_the_files(results):
     assert figures_main([str(results)]) == 0
-    for stem in ("fig7_depth", "fig13_routing", "fig14_main"):
+    assert "| specter | builtin | 3 |" in (results / "figures" / "table3_batch.md").read_text()
+    for stem in ("fig7_depth", "fig13_routing", "fig14_main", "fig15_batch", "fig16_working_set"):
         for ext in ("png", "pdf", "csv"):
             assert (results / "figures" / f"{stem}.{ext}").stat().st_size > 0
     assert figures_main([str(results / "nothing-here")]) == 2
@@ -96,7 +109,7 @@ def test_run_all_tiny_end_to_end_and_resumable(tmp_path):
     cmd = ["bash", "scripts/run_all.sh", "--tiny", "--results", str(tmp_path)]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (tmp_path / "figures" / "fig14_main.png").exists()
+    assert (tmp_path / "figures" / "fig14_main.png").exists() and (tmp_path / "figures" / "fig15_batch.png").exists()
     assert json.loads((tmp_path / "main" / "tiny-qwen-low" / "run.json").read_text())["complete"]
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert second.returncode == 0 and second.stdout.count("skip (done)") == 11
+    assert second.returncode == 0 and second.stdout.count("skip (done)") == 13

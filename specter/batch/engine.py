@@ -42,7 +42,7 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
         m.commit(1)
     engine._take_target_routing()  # the prefills' routing is not a verify window
     quality = PrefetchQuality()
-    active = _active(state, max_new_tokens, eos_token_id)
+    active = active_requests(state, max_new_tokens, eos_token_id)
     while any(active):
         k = min(engine.config.k, max(max_new_tokens - len(state.generated(r)) - 1 for r in range(len(active))
                                      if active[r]))
@@ -54,7 +54,7 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
                 metrics[r].commit(len(tokens))
                 metrics[r].window(k, n)
         _record_window(engine, quality, k)
-        active = _active(state, max_new_tokens, eos_token_id)
+        active = active_requests(state, max_new_tokens, eos_token_id)
     return _results(engine, state, metrics, quality, max_new_tokens, eos_token_id)
 
 
@@ -93,7 +93,7 @@ def _phase(metrics: list, name: str, mark) -> None:
         mark(m, name)
 
 
-def _active(state: BatchState, max_new_tokens: int, eos: int | None) -> list[bool]:
+def active_requests(state: BatchState, max_new_tokens: int, eos: int | None) -> list[bool]:
     return [len(state.generated(r)) < max_new_tokens and not (eos is not None and eos in state.generated(r))
             for r in range(state.batch_size)]
 
@@ -109,13 +109,22 @@ def _record_window(engine, quality: PrefetchQuality, k: int) -> None:
 
 def _results(engine, state: BatchState, metrics: list, quality: PrefetchQuality, max_new_tokens: int,
              eos: int | None) -> list[GenerationResult]:
-    """Per request: its tokens and metrics, plus the batch's throughput and the shared cache's stats."""
+    """Per request: its tokens and metrics, plus the shared cache's stats."""
+    shared = engine._stats(metrics[0], quality)
+    shared = {key: value for key, value in shared.items() if key not in DecodeMetrics.SUMMARY_KEYS}
+    shared["draft_graph"] = "off: batched decoding runs eagerly"
+    return batch_results(state, metrics, max_new_tokens, eos, shared)
+
+
+def batch_results(state: BatchState, metrics: list, max_new_tokens: int, eos: int | None,
+                  shared: dict) -> list[GenerationResult]:
+    """One result per request: its tokens (cut at max_new_tokens / EOS) and its own metrics, plus the
+    batch's `shared` stats, its throughput (all tokens / time until the last request's last token)
+    and mean TPOT over requests."""
     summaries = [m.summary() for m in metrics]
     total = sum(s["generated_tokens"] for s in summaries)
     wall_ms = max(s["e2e_ms"] for s in summaries)
-    shared = engine._stats(metrics[0], quality)
-    shared = {key: value for key, value in shared.items() if key not in summaries[0]}
-    shared["draft_graph"] = "off: batched decoding runs eagerly"
+    shared = dict(shared)
     if "h2d_bytes" in shared:
         shared["h2d_bytes_per_token"] = shared["h2d_bytes"] / max(total, 1)
     batch = {"batch_size": state.batch_size, "throughput_tok_s": total / wall_ms * 1e3 if wall_ms > 0 else float("nan"),

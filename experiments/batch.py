@@ -1,0 +1,85 @@
+"""The batch experiment (Figures 15-16, Table 3): each system decodes B requests together, B swept."""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+from tqdm import tqdm
+
+from experiments.datasets import prompts_for
+from experiments.protocol import encode_prompts
+from experiments.records import RecordWriter, record, unavailable
+from experiments.settings import header, load
+from experiments.systems import build_system
+from specter.metrics import GenerationResult
+
+WARMUP_TOKENS = 4
+NO_BATCH_MODE = "no batch mode yet (Transformers' native batching and SpecMoEOff's two microbatches are open work)"
+
+
+def run_batch(cfg, out_dir, open_writer):
+    """Every batch-capable system on B requests per dataset (the dataset's prompts, cycled if fewer than B)."""
+    model, config = load(cfg)
+    prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
+    systems = [build_system(name, model, config) for name in cfg.systems]
+    writer = open_writer()
+    tags = {"k": config.k, "prefix_tokens": cfg.prefix_tokens}
+    runnable = usable_systems(systems, writer, tags)
+    first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
+    for system in runnable if first is not None else []:
+        system.generate([first, first], WARMUP_TOKENS)  # excluded from the records
+    sizes = [int(b) for b in cfg.experiment.batch_sizes]
+    cases = [(b, d) for b in sizes for d, p in prompts.items() if not isinstance(p, str)]
+    with tqdm(total=len(cases) * cfg.repeats * len(runnable), desc="batches", unit="run", file=sys.stderr) as bar:
+        for dataset, texts in prompts.items():
+            if isinstance(texts, str):
+                for system in systems:
+                    writer.add(unavailable({"system": system.name, "dataset": dataset, "prompt_id": -1, **tags},
+                                           texts.removeprefix("unavailable: ")))
+        for batch_size, dataset in cases:
+            requests = [prompts[dataset][i % len(prompts[dataset])] for i in range(batch_size)]
+            for repeat in range(cfg.repeats):
+                key = {"dataset": dataset, "prompt_id": -1, "repeat": repeat, "batch_size": batch_size, **tags}
+                run_batch_case(runnable, key, requests, cfg.max_new_tokens, writer)
+                bar.update(len(runnable))
+    return header(model, config, cfg, f"batch (B = {sizes})"), ("system", "batch_size", "dataset")
+
+
+def usable_systems(systems: list, writer: RecordWriter, tags: dict) -> list:
+    """The systems that can run here and decode batches; a reason row for each of the others."""
+    usable = []
+    for system in systems:
+        ok, reason = system.available()
+        if ok and not getattr(system, "batch_mode", False):
+            ok, reason = False, NO_BATCH_MODE
+        if ok:
+            usable.append(system)
+        else:
+            writer.add(unavailable({"system": system.name, "dataset": "*", "prompt_id": -1, **tags}, reason))
+    return usable
+
+
+def run_batch_case(systems: list, key: dict, requests: list[torch.Tensor], max_new_tokens: int,
+                   writer: RecordWriter) -> None:
+    """One batch on every system; each request's tokens are checked against target-only's batch."""
+    results = {s.name: s.generate(requests, max_new_tokens) for s in systems
+               if not writer.done({**key, "system": s.name})}
+    reference = results.get("target_only")
+    for name, batch in results.items():
+        writer.add(batch_row({**key, "system": name}, batch, None if name == "target_only" else reference))
+
+
+def batch_row(key: dict, batch: list[GenerationResult], reference: list[GenerationResult] | None) -> dict:
+    """One row per batch: mean TPOT over requests, throughput, mean acceptance, working set, H2D."""
+    stats = batch[0].stats
+    row = record(key, GenerationResult([], stats), None)
+    mean = lambda values: sum(values) / len(values) if values else math.nan  # noqa: E731
+    row.update(tpot_ms=stats["mean_tpot_ms"], throughput_tok_s=stats["throughput_tok_s"],
+               generated_tokens=sum(r.stats["generated_tokens"] for r in batch),
+               acceptance_rate=mean([r.stats["acceptance_rate"] for r in batch if "acceptance_rate" in r.stats]),
+               working_set_mean=mean(stats.get("window_working_sets", [])))
+    if reference is not None:
+        same = all(r.token_ids == ref.token_ids for r, ref in zip(batch, reference))
+        row["tokens_match_target"] = "yes" if same else "no"
+    return row
