@@ -8,7 +8,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from baselines.export import plain_hf_model
 from specter.config import SpecterConfig
-from specter.engine import check_prompt
+from specter.batch.engine import check_batch
+from specter.engine import check_prompt, is_batch
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
@@ -23,12 +24,12 @@ class CommitStreamer(BaseStreamer):
     The first put() is the prompt, not a generated token.
     """
 
-    def __init__(self, metrics: DecodeMetrics) -> None:
-        self.metrics, self.prompt_seen = metrics, False
+    def __init__(self, metrics: DecodeMetrics, per_request: bool = False) -> None:
+        self.metrics, self.per_request, self.prompt_seen = metrics, per_request, False
 
     def put(self, value: torch.Tensor) -> None:
-        if self.prompt_seen:
-            self.metrics.commit(value.shape[0])  # [B] new tokens, B = 1
+        if self.prompt_seen:  # [B] new tokens: one per request (a batch's requests share each step's time)
+            self.metrics.commit(1 if self.per_request else value.shape[0])
         self.prompt_seen = True
 
     def end(self) -> None:
@@ -65,6 +66,7 @@ class Transformers:
     """
 
     name = "transformers"
+    batch_mode = True  # HF's own batching: left padding and an attention mask
 
     def __init__(self, model: HybridMoEModel, resident_experts_per_layer: int | None = None) -> None:
         self.model = model
@@ -81,7 +83,10 @@ class Transformers:
         return True, ""
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
+        """New tokens of a [1, T] prompt; of each request for a batch (HF's batched generate)."""
+        if is_batch(input_ids):
+            return self._generate_batch(check_batch(input_ids, max_new_tokens, check_prompt), max_new_tokens)
         input_ids = check_prompt(input_ids, max_new_tokens)
         hf, device = self._built()
         metrics = DecodeMetrics(device)
@@ -91,6 +96,24 @@ class Transformers:
         stats = metrics.summary()  # [1, T + N] above: the prompt, then N new tokens
         stats.update(self.layout, gpu_budget_bytes=self.budget, weights_budget_bytes=self.weights_budget)
         return GenerationResult(out[0, input_ids.shape[1]:].tolist(), stats)
+
+    def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[GenerationResult]:
+        hf, device = self._built()
+        pad = getattr(hf.config, "pad_token_id", None) or 0
+        width = max(p.shape[1] for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, T], left-padded
+        mask = torch.zeros_like(ids)
+        for r, prompt in enumerate(prompts):
+            ids[r, width - prompt.shape[1]:], mask[r, width - prompt.shape[1]:] = prompt[0], 1
+        metrics = DecodeMetrics(device)
+        out = hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=pad,
+                          streamer=CommitStreamer(metrics, per_request=True))
+        stats = metrics.summary()  # per request: every request gets one token per step
+        stats.update(self.layout, gpu_budget_bytes=self.budget, weights_budget_bytes=self.weights_budget,
+                     batch_size=len(prompts), mean_tpot_ms=stats["tpot_ms"],
+                     throughput_tok_s=len(prompts) * stats["generated_tokens"] / stats["e2e_ms"] * 1e3)
+        return [GenerationResult(out[r, width:].tolist(), dict(stats)) for r in range(len(prompts))]
 
     def _built(self) -> tuple[torch.nn.Module, torch.device]:
         if self.hf is None:

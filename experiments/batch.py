@@ -15,7 +15,7 @@ from experiments.systems import build_system
 from specter.metrics import GenerationResult
 
 WARMUP_TOKENS = 4
-NO_BATCH_MODE = "no batch mode yet (Transformers' native batching and SpecMoEOff's two microbatches are open work)"
+NO_BATCH_MODE = "no batch mode yet (SpecMoEOff's two microbatches are open work)"
 
 
 def run_batch(cfg, out_dir, open_writer):

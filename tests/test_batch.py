@@ -91,3 +91,11 @@ def test_autoregressive_baselines_batch_like_they_decode_alone(system):
     batch = baseline.generate(PROMPTS, 10)
     assert [r.token_ids for r in batch] == [baseline.generate(torch.tensor([p]), 10).token_ids for p in PROMPTS]
     assert all(r.stats["batch_size"] == len(PROMPTS) and r.stats["h2d_bytes"] > 0 for r in batch)
+
+
+def test_transformers_native_batching_matches_its_solo_decodes(tiny_name):
+    from baselines.hf_transformers import Transformers
+    baseline = Transformers(tiny_model(tiny_name))
+    batch = baseline.generate(PROMPTS, 10)
+    assert [r.token_ids for r in batch] == [baseline.generate(torch.tensor([p]), 10).token_ids for p in PROMPTS]
+    assert batch[0].stats["generated_tokens"] == 10 and batch[0].stats["batch_size"] == len(PROMPTS)
