@@ -15,7 +15,7 @@ from experiments.systems import build_system
 from specter.metrics import GenerationResult
 
 WARMUP_TOKENS = 4
-NO_BATCH_MODE = "no batch mode yet (SpecMoEOff's two microbatches are open work)"
+NO_BATCH_MODE = "this system's adapter has no batch mode (it decodes one request at a time)"
 
 
 def run_batch(cfg, out_dir, open_writer):

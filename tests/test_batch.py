@@ -99,3 +99,26 @@ def test_transformers_native_batching_matches_its_solo_decodes(tiny_name):
     batch = baseline.generate(PROMPTS, 10)
     assert [r.token_ids for r in batch] == [baseline.generate(torch.tensor([p]), 10).token_ids for p in PROMPTS]
     assert batch[0].stats["generated_tokens"] == 10 and batch[0].stats["batch_size"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-mixtral"])
+def test_specmoeoff_microbatches_match_its_solo_decodes(name):
+    from baselines.specmoeoff.engine import SpecMoEOff, SpecMoEOffConfig
+    engine = SpecMoEOff(fresh(name), SpecMoEOffConfig(slots=2, fixed_k=3))
+    batch = engine.generate(PROMPTS[:3], 12)
+    assert [r.token_ids for r in batch] == [engine.generate(torch.tensor([p]), 12).token_ids for p in PROMPTS[:3]]
+    stats = batch[0].stats
+    assert stats["microbatches"] == 2 and stats["batch_size"] == 3 and stats["h2d_bytes"] > 0
+    assert 0 < stats["acceptance_rate"] <= 1
+
+
+def test_a_system_without_batch_mode_is_a_reason_row(tmp_path):
+    from types import SimpleNamespace
+
+    from experiments.batch import usable_systems
+    from experiments.records import RecordWriter
+    writer = RecordWriter(tmp_path)
+    single = SimpleNamespace(name="single", available=lambda: (True, ""))
+    batched = SimpleNamespace(name="batched", available=lambda: (True, ""), batch_mode=True)
+    assert usable_systems([single, batched], writer, {"k": 4}) == [batched]
+    assert writer.rows[0]["system"] == "single" and writer.rows[0]["status"].startswith("unavailable: ")

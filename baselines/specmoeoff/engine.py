@@ -9,7 +9,9 @@ import torch
 from baselines.specmoeoff.draft_model import build_draft, draft_tensors
 from baselines.specmoeoff.k_optimizer import DEFAULT_H2D_BYTES_PER_MS, CostModel, best_k
 from baselines.specmoeoff.prefetch import FixedPositionPrefetch
-from specter.engine import check_prompt
+from baselines.specmoeoff.microbatch import generate_microbatches
+from specter.batch.engine import check_batch
+from specter.engine import check_prompt, is_batch
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
@@ -71,6 +73,7 @@ class SpecMoEOff:
     """
 
     name = "specmoeoff"
+    batch_mode = True  # two microbatches taking turns on the shared cache (microbatch.py)
 
     def __init__(self, model: HybridMoEModel, config: SpecMoEOffConfig) -> None:
         self.model, self.config = model, config
@@ -87,7 +90,10 @@ class SpecMoEOff:
         return True, ""
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
+        """New tokens of a [1, T] prompt; of each request for a batch (two microbatches, greedy)."""
+        if is_batch(input_ids):
+            return generate_microbatches(self, check_batch(input_ids, max_new_tokens, check_prompt), max_new_tokens)
         input_ids = check_prompt(input_ids, max_new_tokens)
         self._reset()
         metrics, quality = DecodeMetrics(self.model.device), PrefetchQuality()
