@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
-#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|report|llamacpp ...]
+#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|report|batch|llamacpp ...]
 #   (default: tests profile overlap kernel offload, in this order)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
@@ -8,7 +8,8 @@
 # with the verification-plan-only variant. report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
-# continue next time), a summary per directory in OUT_DIR. llamacpp: a CUDA (sm_90) build of
+# continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2, B 1/4/16/32.
+# llamacpp: a CUDA (sm_90) build of
 # llama-cpp-python from the sdist staged by scripts/stage_llamacpp_cuda.sh (carry .llamacpp) into
 # /tmp/site-llama, then tiny-qwen against target-only on CUDA through the harness.
 # Each step prints a short table and keeps going if another fails.
@@ -46,6 +47,10 @@ for step in "${STEPS[@]}"; do
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
             done; done
             tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
+    batch) python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights=synthetic dataset=all \
+             num_prompts=8 repeats=1 'experiment.batch_sizes=[1,4,16,32]' token_caps.transformers=8 \
+             results_dir="$OUT/batch-dsv2" > "$OUT/batch-dsv2.log" 2>&1; rc=$?
+           grep -E " AVG |error" "$OUT/batch-dsv2.log" ;;
     llamacpp) site=/tmp/site-llama; sdist=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1)
               python3 -m pip install -q --no-index --no-deps --target "$site" .llamacpp/diskcache-*.whl \
                 && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \

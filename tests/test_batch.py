@@ -122,3 +122,21 @@ def test_a_system_without_batch_mode_is_a_reason_row(tmp_path):
     batched = SimpleNamespace(name="batched", available=lambda: (True, ""), batch_mode=True)
     assert usable_systems([single, batched], writer, {"k": 4}) == [batched]
     assert writer.rows[0]["system"] == "single" and writer.rows[0]["status"].startswith("unavailable: ")
+
+
+def test_batch_cases_honour_token_caps_and_check_the_reference_prefix(tmp_path):
+    from types import SimpleNamespace
+
+    from experiments.batch import run_batch_case
+    from experiments.records import RecordWriter
+    from specter.metrics import GenerationResult
+
+    def system(name, tokens):
+        stats = {"mean_tpot_ms": 1.0, "throughput_tok_s": 2.0, "generated_tokens": 0, "acceptance_rate": 1.0}
+        return SimpleNamespace(name=name, generate=lambda requests, n: [GenerationResult(tokens[:n], dict(stats))
+                                                                        for _ in requests])
+    writer = RecordWriter(tmp_path)
+    run_batch_case([system("target_only", [1, 2, 3, 4]), system("slow", [1, 2, 9])], {"dataset": "d", "batch_size": 2},
+                   [torch.tensor([[1]])] * 2, 4, writer, {"slow": 2})
+    rows = {r["system"]: r for r in writer.rows}
+    assert rows["slow"]["tokens_match_target"] == "yes"  # its 2 tokens are target-only's first 2
