@@ -11,6 +11,7 @@ import pytest
 from huggingface_hub import errors as hf_errors
 
 from initialization import download_models as dm
+from initialization import manifest
 from specter.models.registry import FULL_MODELS, get_spec
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -26,7 +27,7 @@ def manifest_dict(known: bool = True, **model_overrides) -> dict:
     files = [{"path": p, "size": len(b) if known else None, "sha256": sha(b) if known else None}
              for p, b in FILES.items()]
     model = {"repo_id": "owner/repo", "revision": COMMIT, "files": files, **model_overrides}
-    return {"format": dm.FORMAT, "models": {"toy": model, "extra": {**model, "optional": True}}}
+    return {"format": manifest.FORMAT, "models": {"toy": model, "extra": {**model, "optional": True}}}
 
 
 def write_manifest(tmp_path: Path, data) -> Path:
