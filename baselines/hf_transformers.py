@@ -8,9 +8,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from baselines.export import plain_hf_model
 from specter.config import SpecterConfig
-from specter.batch.engine import check_batch
-from specter.engine import check_prompt, is_batch
 from specter.errors import SpecterError
+from specter.inputs import check_batch, check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.budget import MemoryPlan, plan_memory
@@ -86,7 +85,7 @@ class Transformers:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
         """New tokens of a [1, T] prompt; of each request for a batch (HF's batched generate)."""
         if is_batch(input_ids):
-            return self._generate_batch(check_batch(input_ids, max_new_tokens, check_prompt), max_new_tokens)
+            return self._generate_batch(check_batch(input_ids, max_new_tokens), max_new_tokens)
         input_ids = check_prompt(input_ids, max_new_tokens)
         hf, device = self._built()
         metrics = DecodeMetrics(device)

@@ -19,7 +19,7 @@ from baselines.gguf_convert import (
     unconvertible,
 )
 from specter.config import SpecterConfig
-from specter.engine import check_prompt
+from specter.inputs import check_prompt
 from specter.metrics import GenerationResult, tpot_ms
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.budget import kv_bytes_per_token, plan_memory

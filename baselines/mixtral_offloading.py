@@ -9,8 +9,8 @@ import torch
 
 from baselines.target_only import TargetOnly
 from specter.config import SpecterConfig
-from specter.engine import check_prompt, is_batch
 from specter.errors import SpecterError
+from specter.inputs import check_prompt, is_batch
 from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
 from specter.metrics import GenerationResult
 from specter.models.hybrid import HybridMoEModel

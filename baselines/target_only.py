@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from specter.batch.engine import active_requests, batch_results, check_batch
+from specter.batch.engine import active_requests, batch_results
 from specter.batch.state import BatchState
-from specter.engine import check_prompt, is_batch
+from specter.inputs import check_batch, check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.runtime import offload_experts
@@ -38,7 +38,7 @@ class TargetOnly:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
         """New tokens of a [1, T] prompt; of each request for a batch (a list of prompts)."""
         batch = is_batch(input_ids)
-        prompts = check_batch(input_ids, max_new_tokens, check_prompt) if batch else None
+        prompts = check_batch(input_ids, max_new_tokens) if batch else None
         input_ids = None if batch else check_prompt(input_ids, max_new_tokens)
         if self.runtime is not None:
             self.runtime = self._attach()  # another system may have switched the model's cache

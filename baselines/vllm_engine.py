@@ -18,8 +18,8 @@ import torch
 
 from baselines.export import save_checkpoint
 from specter.config import SpecterConfig
-from specter.engine import check_prompt
 from specter.errors import SpecterError
+from specter.inputs import check_prompt
 from specter.metrics import GenerationResult, tpot_ms
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.budget import GB, plan_memory

@@ -36,10 +36,15 @@ def _save(fig, data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
     return paths
 
 
+def _measured(root: Path, experiment: str) -> pd.DataFrame:
+    """An experiment's summary rows that hold numbers (not 'unavailable' reasons)."""
+    data = _summaries(root, experiment)
+    return data[data.status.isna()] if "status" in data else data
+
+
 def figure7_depth(root: Path, out: Path) -> list[Path]:
     """TPOT vs speculation depth K, one line per model/memory run."""
-    data = _summaries(root, "depth")
-    data = data[data.get("status", pd.Series(dtype=str)).isna()] if "status" in data else data
+    data = _measured(root, "depth")
     if data.empty:
         return []
     fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -91,9 +96,7 @@ def figure13_routing(root: Path, out: Path) -> list[Path]:
 
 def figure14_main(root: Path, out: Path) -> list[Path]:
     """TPOT per dataset and system, one panel per model/memory run."""
-    data = _summaries(root, "main")
-    if "status" in data:
-        data = data[data.status.isna()]
+    data = _measured(root, "main")
     if data.empty:
         return []
     runs = list(dict.fromkeys(data.run))
@@ -108,9 +111,7 @@ def figure14_main(root: Path, out: Path) -> list[Path]:
 
 
 def _batch_averages(root: Path) -> pd.DataFrame:
-    data = _summaries(root, "batch")
-    if "status" in data:
-        data = data[data.status.isna()]
+    data = _measured(root, "batch")
     return data[data.dataset == "AVG"] if not data.empty else data
 
 
@@ -160,9 +161,7 @@ def figure16_working_set(root: Path, out: Path) -> list[Path]:
 
 def table3_batch(root: Path, out: Path) -> list[Path]:
     """Per-dataset results at each run's largest batch size: CSV and a Markdown table."""
-    data = _summaries(root, "batch")
-    if "status" in data:
-        data = data[data.status.isna()]
+    data = _measured(root, "batch")
     if data.empty:
         return []
     largest = data.groupby("run").batch_size.transform("max")

@@ -5,9 +5,9 @@ from contextlib import nullcontext
 
 import torch
 
-from specter.batch.engine import check_batch, generate_batch
+from specter.batch.engine import generate_batch
 from specter.config import SpecterConfig
-from specter.errors import SpecterError
+from specter.inputs import check_batch, check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT, TARGET
@@ -18,24 +18,6 @@ from specter.prefetch.planner import NoPrefetch, PrefetchPlanner
 from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept, logits_to_probs, next_token, rejection_accept, seeded_generator
 from specter.spec.state import StateManager, new_static_cache
-
-
-def check_prompt(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Validate a single-request prompt: LongTensor [1, T] with T >= 1 (a 1-D [T] is accepted too)."""
-    if not isinstance(input_ids, torch.Tensor):
-        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if input_ids.dim() == 1:
-        input_ids = input_ids.unsqueeze(0)
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
-        raise SpecterError(f"input_ids must have shape [1, T] with T >= 1, got {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise SpecterError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    return input_ids.long()
-
-
-def is_batch(input_ids) -> bool:
-    """A list or tuple of prompts (each a token list or a tensor), as opposed to one prompt."""
-    return isinstance(input_ids, (list, tuple)) and any(isinstance(p, (list, tuple, torch.Tensor)) for p in input_ids)
 
 
 class SpecterEngine:
@@ -77,7 +59,7 @@ class SpecterEngine:
         A batch (a list of prompts: token lists or tensors, any lengths) gives a list of results, one per
         request, decoded together (greedy; `specter.batch`)."""
         if is_batch(input_ids):
-            return generate_batch(self, check_batch(input_ids, max_new_tokens, check_prompt), max_new_tokens,
+            return generate_batch(self, check_batch(input_ids, max_new_tokens), max_new_tokens,
                                   eos_token_id)
         input_ids = check_prompt(input_ids, max_new_tokens)
         self._reset()
@@ -94,12 +76,7 @@ class SpecterEngine:
             state.commit(new_tokens, kv_keep=state.kv_length + 1 + accepted)
             metrics.commit(len(new_tokens))
             metrics.window(k, accepted)
-            routed = self._take_target_routing()
-            if routed:
-                self._window_sets.append(sum(len(s) for s in routed.values()) / len(routed))
-            if k and self.planner.traces:  # a last pass with nothing drafted had no plan
-                quality.add(self.planner.traces[-1].planned, routed)
-            self._count_io_floor(routed)
+            self._close_window(k, quality)
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)
         return GenerationResult(tokens, self._stats(metrics, quality))
 
@@ -193,6 +170,15 @@ class SpecterEngine:
         if self.runtime is not None:
             missing = sum(len(experts - self._resident_at_start[layer]) for layer, experts in routed.items())
             self._io_floor_bytes += missing * self.runtime.store.expert_bytes
+
+    def _close_window(self, k: int, quality: PrefetchQuality) -> None:
+        """After a verify pass: the target's routing against the plan, the working set and the I/O floor."""
+        routed = self._take_target_routing()
+        if routed:
+            self._window_sets.append(sum(len(s) for s in routed.values()) / len(routed))
+        if k and self.planner.traces:  # a last pass with nothing drafted had no plan
+            quality.add(self.planner.traces[-1].planned, routed)
+        self._count_io_floor(routed)
 
     def _take_target_routing(self) -> dict:
         return self.runtime.residency.take_demand() if self.runtime is not None else {}

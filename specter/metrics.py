@@ -47,10 +47,6 @@ class DecodeMetrics:
         """One verify pass; a pass with nothing drafted (the last token) counts as an iteration only."""
         self.windows.append((drafted, accepted))
 
-    SUMMARY_KEYS = frozenset({"generated_tokens", "tpot_ms", "ttft_ms", "e2e_ms", "iterations", "acceptance_rate",
-                              "mean_accepted_length", "accepted_length_histogram", "draft_tokens",
-                              "accepted_tokens", "draft_ms", "verify_ms"})
-
     def summary(self) -> dict:
         """The stats dict (reads the timeline: on a GPU the host waits here, once)."""
         elapsed = self.timeline.elapsed_ms

@@ -8,11 +8,10 @@ import torch
 
 from baselines.specmoeoff.draft_model import build_draft, draft_tensors
 from baselines.specmoeoff.k_optimizer import DEFAULT_H2D_BYTES_PER_MS, CostModel, best_k
-from baselines.specmoeoff.prefetch import FixedPositionPrefetch
 from baselines.specmoeoff.microbatch import generate_microbatches
-from specter.batch.engine import check_batch
-from specter.engine import check_prompt, is_batch
+from baselines.specmoeoff.prefetch import FixedPositionPrefetch
 from specter.errors import SpecterError
+from specter.inputs import check_batch, check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import TARGET
@@ -93,7 +92,7 @@ class SpecMoEOff:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
         """New tokens of a [1, T] prompt; of each request for a batch (two microbatches, greedy)."""
         if is_batch(input_ids):
-            return generate_microbatches(self, check_batch(input_ids, max_new_tokens, check_prompt), max_new_tokens)
+            return generate_microbatches(self, check_batch(input_ids, max_new_tokens), max_new_tokens)
         input_ids = check_prompt(input_ids, max_new_tokens)
         self._reset()
         metrics, quality = DecodeMetrics(self.model.device), PrefetchQuality()

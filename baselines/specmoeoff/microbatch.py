@@ -97,8 +97,7 @@ def generate_microbatches(engine, prompts: list[torch.Tensor], max_new_tokens: i
 
 
 def _combined(engine, micro: list[Microbatch], max_new_tokens: int, quality: PrefetchQuality) -> list[GenerationResult]:
-    shared = {key: value for key, value in engine._stats(micro[0].metrics[0], quality).items()
-              if key not in DecodeMetrics.SUMMARY_KEYS}
+    shared = engine._stats(micro[0].metrics[0], quality)  # its per-request keys give way to each request's own
     results = [r for m in micro for r in batch_results(m.target, m.metrics, max_new_tokens, None, shared)]
     total = sum(r.stats["generated_tokens"] for r in results)
     wall_ms = max(r.stats["e2e_ms"] for r in results)

@@ -14,13 +14,6 @@ from specter.spec.sampling import greedy_accept_batch
 from .state import BatchState
 
 
-def check_batch(prompts, max_new_tokens: int, check_prompt) -> list[torch.Tensor]:
-    """Each prompt as a [1, T] LongTensor (a list of token lists or of tensors); at least one."""
-    if len(prompts) == 0:
-        raise SpecterError("a batch needs at least one prompt")
-    return [check_prompt(torch.as_tensor(p, dtype=torch.long), max_new_tokens) for p in prompts]
-
-
 def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
                    eos_token_id: int | None = None) -> list[GenerationResult]:
     """Greedy speculative decoding of B requests on one shared cache; one result per request.
@@ -53,7 +46,7 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
             if active[r]:
                 metrics[r].commit(len(tokens))
                 metrics[r].window(k, n)
-        _record_window(engine, quality, k)
+        engine._close_window(k, quality)
         active = active_requests(state, max_new_tokens, eos_token_id)
     return _results(engine, state, metrics, quality, max_new_tokens, eos_token_id)
 
@@ -98,28 +91,17 @@ def active_requests(state: BatchState, max_new_tokens: int, eos: int | None) -> 
             for r in range(state.batch_size)]
 
 
-def _record_window(engine, quality: PrefetchQuality, k: int) -> None:
-    routed = engine._take_target_routing()
-    if routed:
-        engine._window_sets.append(sum(len(s) for s in routed.values()) / len(routed))
-    if k and engine.planner.traces:
-        quality.add(engine.planner.traces[-1].planned, routed)
-    engine._count_io_floor(routed)
-
-
 def _results(engine, state: BatchState, metrics: list, quality: PrefetchQuality, max_new_tokens: int,
              eos: int | None) -> list[GenerationResult]:
     """Per request: its tokens and metrics, plus the shared cache's stats."""
-    shared = engine._stats(metrics[0], quality)
-    shared = {key: value for key, value in shared.items() if key not in DecodeMetrics.SUMMARY_KEYS}
-    shared["draft_graph"] = "off: batched decoding runs eagerly"
+    shared = {**engine._stats(metrics[0], quality), "draft_graph": "off: batched decoding runs eagerly"}
     return batch_results(state, metrics, max_new_tokens, eos, shared)
 
 
 def batch_results(state: BatchState, metrics: list, max_new_tokens: int, eos: int | None,
                   shared: dict) -> list[GenerationResult]:
-    """One result per request: its tokens (cut at max_new_tokens / EOS) and its own metrics, plus the
-    batch's `shared` stats, its throughput (all tokens / time until the last request's last token)
+    """One result per request: its tokens (cut at max_new_tokens / EOS) and its own metrics (over any
+    per-request key in `shared`), plus the batch's `shared` stats, its throughput (all tokens / time until the last request's last token)
     and mean TPOT over requests."""
     summaries = [m.summary() for m in metrics]
     total = sum(s["generated_tokens"] for s in summaries)
@@ -134,5 +116,5 @@ def batch_results(state: BatchState, metrics: list, max_new_tokens: int, eos: in
         tokens = state.generated(r)[:max_new_tokens]
         if eos is not None and eos in tokens:
             tokens = tokens[: tokens.index(eos) + 1]
-        results.append(GenerationResult(tokens, {**summary, **shared, **batch}))
+        results.append(GenerationResult(tokens, {**shared, **summary, **batch}))
     return results
