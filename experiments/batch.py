@@ -26,9 +26,6 @@ def run_batch(cfg, out_dir, open_writer):
     writer = open_writer()
     tags = {"k": config.k, "prefix_tokens": cfg.prefix_tokens}
     runnable = usable_systems(systems, writer, tags)
-    first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
-    for system in runnable if first is not None else []:
-        system.generate([first, first], WARMUP_TOKENS)  # excluded from the records
     sizes = [int(b) for b in cfg.experiment.batch_sizes]
     cases = [(b, d) for b in sizes for d, p in prompts.items() if not isinstance(p, str)]
     with tqdm(total=len(cases) * cfg.repeats * len(runnable), desc="batches", unit="run", file=sys.stderr) as bar:
@@ -37,13 +34,23 @@ def run_batch(cfg, out_dir, open_writer):
                 for system in systems:
                     writer.add(unavailable({"system": system.name, "dataset": dataset, "prompt_id": -1, **tags},
                                            texts.removeprefix("unavailable: ")))
+        warm = set()  # (system, batch size): each batch shape compiles kernels and captures graphs once
         for batch_size, dataset in cases:
             requests = [prompts[dataset][i % len(prompts[dataset])] for i in range(batch_size)]
             for repeat in range(cfg.repeats):
                 key = {"dataset": dataset, "prompt_id": -1, "repeat": repeat, "batch_size": batch_size, **tags}
+                warm_up(runnable, key, requests, writer, warm)
                 run_batch_case(runnable, key, requests, cfg.max_new_tokens, writer, cfg.token_caps)
                 bar.update(len(runnable))
     return header(model, config, cfg, f"batch (B = {sizes})"), ("system", "batch_size", "dataset")
+
+
+def warm_up(systems: list, key: dict, requests: list, writer: RecordWriter, warm: set) -> None:
+    """A short unrecorded run of each system that has this case to do and has not run this batch size yet."""
+    for system in systems:
+        if (system.name, key["batch_size"]) not in warm and not writer.done({**key, "system": system.name}):
+            warm.add((system.name, key["batch_size"]))
+            system.generate(requests, WARMUP_TOKENS)
 
 
 def usable_systems(systems: list, writer: RecordWriter, tags: dict) -> list:

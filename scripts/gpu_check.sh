@@ -8,7 +8,9 @@
 # with the verification-plan-only variant. report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
-# continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2, B 1/4/16/32.
+# continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
+# default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k), resuming
+# REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
 # llamacpp: a CUDA (sm_90) build of
 # llama-cpp-python from the sdist staged by scripts/stage_llamacpp_cuda.sh (carry .llamacpp) into
 # /tmp/site-llama, then tiny-qwen against target-only on CUDA through the harness.
@@ -47,10 +49,14 @@ for step in "${STEPS[@]}"; do
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
             done; done
             tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
-    batch) python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights=synthetic dataset=all \
-             num_prompts=8 repeats=1 'experiment.batch_sizes=[1,4,16,32]' token_caps.transformers=8 \
-             results_dir="$OUT/batch-dsv2" > "$OUT/batch-dsv2.log" 2>&1; rc=$?
-           grep -E " AVG |error" "$OUT/batch-dsv2.log" ;;
+    batch) dir="${REPORT_DIR:-.report}/batch-dsv2"; resume=false; [ -d "$dir" ] && resume=true
+           python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights=synthetic \
+             dataset="${BATCH_DATASET:-gsm8k}" num_prompts=32 repeats=1 max_new_tokens="${BATCH_TOKENS:-64}" \
+             "experiment.batch_sizes=[${BATCH_SIZES:-1,4,16,32}]" token_caps.transformers=4 \
+             'systems=[specter,mo_sm,specmoeoff_sm,transformers]' results_dir="$dir" resume=$resume \
+             > "$OUT/batch-dsv2.log" 2>&1; rc=$?
+           grep -E " AVG |error" "$OUT/batch-dsv2.log"
+           tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
     llamacpp) site=/tmp/site-llama; sdist=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1)
               python3 -m pip install -q --no-index --no-deps --target "$site" .llamacpp/diskcache-*.whl \
                 && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \

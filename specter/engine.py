@@ -47,6 +47,7 @@ class SpecterEngine:
         else:
             self.planner = NoPrefetch()
         self.static_cache, self.draft_graph, self.graph_status = None, None, "off"
+        self.batch_cache, self.batch_cache_key, self.batch_graph, self.batch_graph_status = None, None, None, "off"
 
     def available(self) -> tuple[bool, str]:
         return True, ""

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 import specter
+import specter.batch.engine as batch_engine
+from specter.batch.state import BatchState
 from specter.errors import SpecterError
+from specter.spec.state import new_static_cache
 from tests.conftest import tiny_model
 
 fresh = functools.lru_cache(maxsize=None)(lambda name: specter.load_model(name, device="cpu", dtype=torch.float32))
@@ -72,12 +75,45 @@ def test_batched_sampling_is_refused():
         engine.generate(PROMPTS[:2], 4)
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-dsv2"])
+def test_static_batch_cache_with_compaction_equals_solo(name, monkeypatch):
+    """The CUDA-graph layout on CPU (eager): a fixed-width static cache, 4D masks, and compaction when
+    the holes fill it (the cache is sized so that it must compact several times)."""
+    model, k, tokens = tiny_model(name), 4, 32
+    length = max(map(len, PROMPTS)) + tokens + 2 * k + 1  # the longest request overshoots by k, + a pass
+    compactions = []
+    monkeypatch.setattr(batch_engine, "static_batch_cache", lambda *_: new_static_cache(model, length))
+    monkeypatch.setattr(BatchState, "make_room", _counting(BatchState.make_room, compactions))
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=k))
+    batch = engine.generate(PROMPTS, tokens)
+    assert [r.token_ids for r in batch] == solo(engine, PROMPTS, tokens)
+    assert sum(compactions) >= 2
+    assert batch[0].stats["draft_graph"].startswith("off")  # no CUDA here: the static layout runs eagerly
+
+
+def _counting(make_room, compactions):
+    def wrapped(state, columns):
+        width = state.mask.shape[1]
+        make_room(state, columns)
+        compactions.append(state.mask.shape[1] < width)
+    return wrapped
+
+
+def test_too_short_static_batch_cache_is_a_clear_error():
+    model = tiny_model("tiny")
+    state = BatchState(model, [torch.tensor([p]) for p in PROMPTS[:2]], new_static_cache(model, 24))
+    state.prefill()
+    with pytest.raises(ValueError, match="too short"):
+        state.make_room(24)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
 def test_batch_equals_solo_on_cuda_with_offload(name):
     model = specter.load_model(name, device="cuda", dtype=torch.float16)
     engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2))
     batch = engine.generate(PROMPTS, 24)
+    assert batch[0].stats["draft_graph"] == "on"  # the batched draft step replays a captured graph
     assert [r.token_ids for r in batch] == solo(engine, PROMPTS, 24)
     assert batch[0].stats["h2d_bytes"] > 0
 

@@ -8,8 +8,10 @@ import torch
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid_experts import DRAFT, TARGET
+from specter.offload.draft_graph import capture_draft_step
 from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept_batch
+from specter.spec.state import new_static_cache
 
 from .state import BatchState
 
@@ -21,13 +23,13 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
     Every pass drafts k tokens for all requests in lockstep (the lookahead counters and the prefetch
     plan see the whole batch's routing) and verifies k + 1 positions of all requests in one target
     forward, so each expert a layer needs is loaded once for every request that routes to it. Each
-    request accepts its own prefix; a request that is done (max_new_tokens or EOS) rides along and
-    commits nothing, so it never changes the others' tokens.
+    request accepts its own prefix; a request that is done (max_new_tokens or EOS) rides along, keeps
+    no KV and commits nothing, so it never changes the others' tokens and its length stays bounded.
     """
     if not engine.config.greedy:
         raise SpecterError("batched decoding is greedy only: use temperature=0")
     engine._reset()
-    state = BatchState(engine.model, prompts)
+    state = BatchState(engine.model, prompts, static_batch_cache(engine, prompts, max_new_tokens))
     metrics = [DecodeMetrics(engine.model.device) for _ in prompts]
     first = state.prefill().argmax(dim=-1).tolist()  # [B]
     state.commit_first(first)
@@ -40,7 +42,9 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
         k = min(engine.config.k, max(max_new_tokens - len(state.generated(r)) - 1 for r in range(len(active))
                                      if active[r]))
         engine._snapshot_residency()
+        state.make_room(k + 1)
         outcome = verify(engine, state, draft(engine, state, k, metrics), metrics)
+        outcome = [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]  # done: keep nothing
         state.commit([tokens for _, tokens in outcome], [n for n, _ in outcome])
         for r, (n, tokens) in enumerate(outcome):
             if active[r]:
@@ -60,14 +64,52 @@ def draft(engine, state: BatchState, k: int, metrics: list) -> torch.Tensor:
         engine.planner.begin_window(k)
         for i in range(k):
             mask, positions = state.step_inputs(offset=i, length=1)
-            logits = engine.model.forward(x, state.cache, DRAFT, mask, positions)  # [B, 1, V]
-            x = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+            graph = _draft_graph(engine, state, mask, positions)
+            if graph is not None:
+                x = graph.step(x, mask, positions).view(-1, 1)  # [B, 1]
+            else:
+                logits = engine.model.forward(x, state.cache, DRAFT, mask, positions)  # [B, 1, V]
+                x = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
             tokens.append(x)
             engine.planner.after_draft_token(i + 1)
         if k:
             engine.planner.end_window()
     _phase(metrics, "draft", DecodeMetrics.end)
     return torch.cat(tokens, dim=1) if tokens else state.last[:, :0]
+
+
+BATCH_CACHE_QUANTUM = 512  # static batch caches are sized in these steps, so short and long runs share a capture
+
+
+def static_batch_cache(engine, prompts: list[torch.Tensor], max_new_tokens: int):
+    """The engine's static KV cache for this batch (kept while the batch size and length fit), or None
+    when the draft runs eagerly (no CUDA, graphs off). Room for the longest request plus a few windows of
+    holes; the batch state compacts it when the holes fill it."""
+    if not (engine.config.cuda_graph and engine.model.device.type == "cuda"):
+        engine.batch_graph_status = "off: no CUDA graphs here"
+        return None
+    k = engine.config.k
+    needed = max(p.shape[-1] for p in prompts) + max_new_tokens + 4 * (k + 1)
+    length = -(-needed // BATCH_CACHE_QUANTUM) * BATCH_CACHE_QUANTUM
+    key = (len(prompts), length)
+    if engine.batch_cache_key != key:
+        engine.batch_graph, engine.batch_graph_status, engine.batch_cache = None, "off", None  # free the old one
+        engine.batch_cache, engine.batch_cache_key = new_static_cache(engine.model, length), key
+    return engine.batch_cache
+
+
+def _draft_graph(engine, state: BatchState, mask: torch.Tensor, positions: torch.Tensor):
+    """The captured batched draft step for this static cache (captured at its first use), or None."""
+    if state.static is None:
+        return None
+    if engine.model.device.type != "cuda":
+        engine.batch_graph_status = "off: eager on a static cache (no CUDA device)"
+        return None
+    if engine.batch_graph is None and engine.batch_graph_status == "off":
+        engine.batch_graph, reason = capture_draft_step(engine.model, state.cache, engine.elb, state.mask.shape[1],
+                                                        mask, positions)
+        engine.batch_graph_status = "on" if engine.batch_graph is not None else f"failed: {reason}"
+    return engine.batch_graph
 
 
 def verify(engine, state: BatchState, drafts: torch.Tensor, metrics: list) -> list[tuple[int, list[int]]]:
@@ -94,7 +136,8 @@ def active_requests(state: BatchState, max_new_tokens: int, eos: int | None) -> 
 def _results(engine, state: BatchState, metrics: list, quality: PrefetchQuality, max_new_tokens: int,
              eos: int | None) -> list[GenerationResult]:
     """Per request: its tokens and metrics, plus the shared cache's stats."""
-    shared = {**engine._stats(metrics[0], quality), "draft_graph": "off: batched decoding runs eagerly"}
+    status = engine.batch_graph_status if state.static is not None else "off: eager (no static batch cache)"
+    shared = {**engine._stats(metrics[0], quality), "draft_graph": status}
     return batch_results(state, metrics, max_new_tokens, eos, shared)
 
 

@@ -6,10 +6,11 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 from specter.models.hybrid_experts import TARGET
-from specter.spec.state import crop_cache
+from specter.spec.state import crop_cache, new_static_cache
 
 
 def merge_left_padded(caches: list[DynamicCache], length: int, config) -> DynamicCache:
@@ -29,6 +30,21 @@ def merge_left_padded(caches: list[DynamicCache], length: int, config) -> Dynami
     return DynamicCache(ddp_cache_data=data, config=config)
 
 
+def fill_static(cache: StaticCache, merged: DynamicCache) -> bool:
+    """Copy a merged cache into an empty StaticCache of the same batch (fixed addresses: graph-safe);
+    False when a layer is not a plain static layer (sliding windows) or the cache is too short."""
+    width = merged.get_seq_length()
+    if any(type(layer) is not StaticLayer for layer in cache.layers) or width > cache.max_cache_len:
+        return False
+    for static, layer in zip(cache.layers, merged.layers):
+        if not static.is_initialized or static.keys.shape[0] != layer.keys.shape[0]:
+            static.lazy_initialization(layer.keys, layer.values)
+        static.keys[:, :, :width].copy_(layer.keys)
+        static.values[:, :, :width].copy_(layer.values)
+        static.cumulative_length.fill_(width)
+    return True
+
+
 class BatchState:
     """Committed tokens and KV of B requests in one cache.
 
@@ -38,16 +54,20 @@ class BatchState:
     position count (`lengths`), so its RoPE positions and its attention are those of decoding alone.
     Drafting extends all requests by the same columns and is cropped afterwards; verification appends
     k + 1 columns of which each request keeps its accepted prefix.
+
+    With `static` (an empty StaticCache, CUDA-graph decoding) the cache has fixed addresses and a fixed
+    width: masks are 4D [B, 1, T, max_len] additive biases built here, and when the columns would run out
+    the cache is compacted (each request's own entries packed to the right, holes dropped).
     """
 
-    def __init__(self, model, prompts: list[torch.Tensor]) -> None:
-        self.model, self.device = model, model.device
+    def __init__(self, model, prompts: list[torch.Tensor], static: StaticCache | None = None) -> None:
+        self.model, self.device, self.static = model, model.device, static
         self.tokens: list[list[int]] = [p[0].tolist() for p in prompts]
         self.prompt_lengths = [len(t) for t in self.tokens]
         self.lengths = list(self.prompt_lengths)  # KV entries of each request = its next position
         self.cache: DynamicCache | None = None
         self.mask = torch.empty(0)
-        self.last = torch.empty(0)
+        self.last = self.next_positions = torch.empty(0)
 
     @property
     def batch_size(self) -> int:
@@ -67,17 +87,52 @@ class BatchState:
             caches.append(cache)
         width = max(self.prompt_lengths)
         self.cache = merge_left_padded(caches, width, self.model.hf.config)
+        if self.static is not None and fill_static(self.static, self.cache):
+            self.cache = self.static
+        else:
+            self.static = None
         self.mask = torch.zeros(self.batch_size, width, dtype=torch.long, device=self.device)
         for request, length in enumerate(self.prompt_lengths):
             self.mask[request, width - length:] = 1
         return torch.stack(logits)
 
     def step_inputs(self, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention_mask [B, S + offset + length], position_ids [B, length]) for `length` new columns
-        after `offset` scratch columns (draft steps) past the committed width S."""
+        """(attention_mask, position_ids [B, length]) for `length` new columns after `offset` scratch
+        columns (draft steps) past the committed width S. The mask is [B, S + offset + length] (0 = hole),
+        or with a static cache the 4D additive bias [B, 1, length, max_len] (holes, causal order and the
+        unwritten columns masked)."""
         ones = torch.ones(self.batch_size, offset + length, dtype=torch.long, device=self.device)
-        start = torch.tensor(self.lengths, device=self.device).unsqueeze(1) + offset  # [B, 1]
-        return torch.cat([self.mask, ones], dim=1), start + torch.arange(length, device=self.device)
+        keep = torch.cat([self.mask, ones], dim=1)  # [B, S + offset + length]
+        positions = self.next_positions + offset + torch.arange(length, device=self.device)  # [B, length]
+        if self.static is None:
+            return keep, positions
+        return self._bias_4d(keep, length), positions
+
+    def _bias_4d(self, keep: torch.Tensor, length: int) -> torch.Tensor:
+        """Additive mask [B, 1, length, max_len]: query t sees the kept columns up to its own column."""
+        total, width = keep.shape[1], self.static.max_cache_len
+        keep = F.pad(keep, (0, width - total))  # [B, max_len]
+        query_column = total - length + torch.arange(length, device=self.device)  # [length]
+        causal = torch.arange(width, device=self.device).unsqueeze(0) <= query_column.unsqueeze(1)  # [length, max_len]
+        allowed = keep.bool().unsqueeze(1) & causal.unsqueeze(0)  # [B, length, max_len]
+        bias = torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device)
+        return bias.masked_fill_(~allowed, torch.finfo(self.model.dtype).min).unsqueeze(1)
+
+    def make_room(self, columns: int) -> None:
+        """Ensure `columns` more columns fit the static cache: compact it if they would not."""
+        if self.static is None or self.mask.shape[1] + columns <= self.static.max_cache_len:
+            return
+        width = max(self.lengths)
+        if width + columns > self.static.max_cache_len:
+            raise ValueError(f"static batch cache of {self.static.max_cache_len} positions is too short for "
+                             f"{width + columns}")
+        order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]  # [B, width]: holes first, then own
+        for layer in self.static.layers:
+            for data in (layer.keys, layer.values):  # [B, H, max_len, D]
+                index = order[:, None, :, None].expand(-1, data.shape[1], -1, data.shape[3])
+                data[:, :, :width].copy_(torch.gather(data, 2, index))
+            layer.cumulative_length.fill_(width)
+        self.mask = torch.sort(self.mask, dim=1, stable=True).values[:, -width:]
 
     @contextmanager
     def draft_scratch(self) -> Iterator[None]:
@@ -89,8 +144,9 @@ class BatchState:
 
     def commit(self, new_tokens: list[list[int]], accepted: list[int]) -> None:
         """After a verify pass over k + 1 columns: request r keeps the KV of its input and its accepted
-        drafts (1 + accepted[r] columns; the rest become holes) and appends new_tokens[r]."""
-        columns = self.cache.get_seq_length() - self.mask.shape[1]  # k + 1
+        drafts (1 + accepted[r] columns; the rest become holes) and appends new_tokens[r]. A request
+        that is done passes accepted -1 and no tokens: it keeps nothing."""
+        columns = int(self.cache.get_seq_length()) - self.mask.shape[1]  # k + 1
         keep = torch.arange(columns, device=self.device).unsqueeze(0) <= torch.tensor(
             accepted, device=self.device).unsqueeze(1)  # [B, k+1]
         self.mask = torch.cat([self.mask, keep.long()], dim=1)
@@ -106,4 +162,7 @@ class BatchState:
         self._set_last()
 
     def _set_last(self) -> None:
+        """The next pass's inputs on the device, copied once per pass (a per-step host tensor would make
+        every draft step wait for the previous one)."""
         self.last = torch.tensor([[t[-1]] for t in self.tokens], dtype=torch.long, device=self.device)  # [B, 1]
+        self.next_positions = torch.tensor(self.lengths, device=self.device).unsqueeze(1)  # [B, 1]

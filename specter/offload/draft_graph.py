@@ -1,4 +1,4 @@
-"""The greedy draft step (one token through every layer, INT4 experts, lookahead counters) as a replayed CUDA graph."""
+"""The greedy draft step (one token per request through every layer, INT4 experts, lookahead counters) as a replayed CUDA graph."""
 from __future__ import annotations
 
 import torch
@@ -9,16 +9,21 @@ WARMUP_STEPS = 2
 
 
 class DraftStepGraph:
-    """Captures `token -> argmax(draft logits)` once and replays it for every draft step.
+    """Captures `tokens -> argmax(draft logits)` once and replays it for every draft step.
 
     Needs fixed addresses and shapes: the static KV cache (its device-side length positions each
-    step), a static input token, the lookahead counters and the draft kernel's workspace. Capture
-    happens on a side stream after warm-up steps, whose KV writes and counts are rolled back.
+    step), static input tokens [B, 1], the lookahead counters and the draft kernel's workspace; a batch
+    also has static mask [B, 1, 1, max_len] and position [B, 1] inputs, copied in before each replay.
+    Capture happens on a side stream after warm-up steps, whose KV writes and counts are rolled back.
     """
 
-    def __init__(self, model, cache, elb, kv_length: int) -> None:
+    def __init__(self, model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None) -> None:
         self.model, self.cache, self.elb = model, cache, elb
-        self.token = torch.zeros(1, 1, dtype=torch.long, device=model.device)  # static input
+        batch = 1 if positions is None else positions.shape[0]
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)  # static input
+        self.mask = None if mask is None else mask.clone()  # static inputs of a batch
+        self.positions = None if positions is None else positions.clone()
         self.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(model.device)
         stream.wait_stream(torch.cuda.current_stream())
@@ -27,32 +32,42 @@ class DraftStepGraph:
                 self._step()
                 self._rollback(kv_length)
             with torch.cuda.graph(self.graph, stream=stream):
-                self.next_token = self._step()  # [1, 1], static output
+                self.next_token = self._step()  # [B, 1], static output
         torch.cuda.current_stream().wait_stream(stream)
         self._rollback(kv_length)
 
     def _step(self) -> torch.Tensor:
-        logits = self.model.forward(self.token, self.cache, DRAFT)[0, -1]  # [V]
-        return logits.argmax(dim=-1).view(1, 1)
+        logits = self.model.forward(self.token, self.cache, DRAFT, self.mask, self.positions)[:, -1]  # [B, V]
+        return logits.argmax(dim=-1, keepdim=True)
 
     def _rollback(self, kv_length: int) -> None:
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(kv_length)
         self.elb.clear()
 
-    def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Replay one draft step for `token` [1, 1] (device); returns the draft's next token [1] (a copy)."""
-        self.token.copy_(token.view(1, 1))
+    def step(self, token: torch.Tensor, mask: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay one draft step for `token` [B, 1] or [1] (device), with a batch's `mask` and `positions`;
+        returns the draft's next tokens [B] (a copy)."""
+        self.token.copy_(token.view(-1, 1))
+        if self.mask is not None:
+            self.mask.copy_(mask)
+            self.positions.copy_(positions)
         self.graph.replay()
-        return self.next_token.view(1).clone()
+        return self.next_token.view(-1).clone()
 
 
-def capture_draft_step(model, cache, elb, kv_length: int) -> tuple[DraftStepGraph | None, str]:
-    """(graph, "") or (None, reason) when capture is not possible here; the caller then drafts eagerly."""
+def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
+                       positions: torch.Tensor | None = None) -> tuple[DraftStepGraph | None, str]:
+    """(graph, "") or (None, reason) when capture is not possible here; the caller then drafts eagerly.
+    A batch passes its first step's `mask` and `positions` (their shapes are captured)."""
     if model.device.type != "cuda":
         return None, "no CUDA device"
     try:
-        return DraftStepGraph(model, cache, elb, kv_length), ""
+        return DraftStepGraph(model, cache, elb, kv_length, mask, positions), ""
     except Exception as err:  # capture rejects host syncs and unsupported ops: fall back, say why
         torch.cuda.synchronize()
+        for layer in cache.layers:  # undo the warm-up's KV writes and counts
+            layer.cumulative_length.fill_(kv_length)
+        elb.clear()
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
