@@ -75,11 +75,10 @@ def test_batched_sampling_is_refused():
         engine.generate(PROMPTS[:2], 4)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-dsv2"])
-def test_static_batch_cache_with_compaction_equals_solo(name, monkeypatch):
+def test_static_batch_cache_with_compaction_equals_solo(tiny_name, monkeypatch):
     """The CUDA-graph layout on CPU (eager): a fixed-width static cache, 4D masks, and compaction when
     the holes fill it (the cache is sized so that it must compact several times)."""
-    model, k, tokens = tiny_model(name), 4, 32
+    model, k, tokens = tiny_model(tiny_name), 4, 32
     length = max(map(len, PROMPTS)) + tokens + 2 * k + 1  # the longest request overshoots by k, + a pass
     compactions = []
     monkeypatch.setattr(batch_engine, "static_batch_cache", lambda *_: new_static_cache(model, length))

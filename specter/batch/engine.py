@@ -44,7 +44,7 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
         engine._snapshot_residency()
         state.make_room(k + 1)
         outcome = verify(engine, state, draft(engine, state, k, metrics), metrics)
-        outcome = [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]  # done: keep nothing
+        outcome = [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]  # done: no KV
         state.commit([tokens for _, tokens in outcome], [n for n, _ in outcome])
         for r, (n, tokens) in enumerate(outcome):
             if active[r]:
@@ -144,8 +144,8 @@ def _results(engine, state: BatchState, metrics: list, quality: PrefetchQuality,
 def batch_results(state: BatchState, metrics: list, max_new_tokens: int, eos: int | None,
                   shared: dict) -> list[GenerationResult]:
     """One result per request: its tokens (cut at max_new_tokens / EOS) and its own metrics (over any
-    per-request key in `shared`), plus the batch's `shared` stats, its throughput (all tokens / time until the last request's last token)
-    and mean TPOT over requests."""
+    per-request key in `shared`), plus the batch's `shared` stats, its throughput (all tokens / time until
+    the last request's last token) and mean TPOT over requests."""
     summaries = [m.summary() for m in metrics]
     total = sum(s["generated_tokens"] for s in summaries)
     wall_ms = max(s["e2e_ms"] for s in summaries)

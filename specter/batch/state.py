@@ -10,7 +10,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from specter.models.hybrid_experts import TARGET
-from specter.spec.state import crop_cache, new_static_cache
+from specter.spec.state import crop_cache
 
 
 def merge_left_padded(caches: list[DynamicCache], length: int, config) -> DynamicCache:

@@ -1,4 +1,4 @@
-"""The greedy draft step (one token per request through every layer, INT4 experts, lookahead counters) as a replayed CUDA graph."""
+"""The greedy draft step (a token per request through every layer, INT4 experts, lookahead counters) as a CUDA graph."""
 from __future__ import annotations
 
 import torch
