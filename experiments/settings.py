@@ -40,6 +40,9 @@ def model_choice(cfg) -> ModelChoice:
     if cfg.model.weights not in ("synthetic", "checkpoint"):
         raise SpecterError(f"model.weights must be 'synthetic' or 'checkpoint', got {cfg.model.weights!r}")
     synthetic = cfg.model.weights == "synthetic"
+    if synthetic and cfg.model.checkpoint is not None:
+        raise SpecterError(f"model.checkpoint={cfg.model.checkpoint} is given but model.weights=synthetic builds random "
+                           f"weights: pass model.weights=checkpoint (full-size models) or drop model.checkpoint")
     if not synthetic and not spec.is_tiny and cfg.model.checkpoint is None and not checkpoint_dir(spec).exists():
         raise SpecterError(f"no checkpoint for {spec.name!r} at {checkpoint_dir(spec)}: run `python "
                            f"initialization/download_models.py --manifest initialization/model-assets.json --output "
