@@ -51,6 +51,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "wasted_loads": mean("wasted_loads"), "loads_ahead": mean("loads_ahead"),
         "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
         "h2d_gbps": mean("h2d_gbps"), "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
+        "moe_host_ms_per_token": (mean("verify_host_ms") - mean("verify_host_wait_ms")) / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
         "draft_step_ms": mean("draft_ms") / mean("draft_tokens") if runs[0].get("draft_tokens") else float("nan"),
         "draft_graph": runs[0].get("draft_graph"),
@@ -113,7 +114,7 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
 
 def print_table(rows: list[dict]) -> None:
     cols = ["system", "k", "tpot_ms", "acceptance", "hit_rate", "planned_miss_share", "h2d_mb_per_token",
-            "h2d_gbps", "wait_ms_per_token",
+            "h2d_gbps", "wait_ms_per_token", "moe_host_ms_per_token",
             "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
             "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))

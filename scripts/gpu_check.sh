@@ -4,8 +4,8 @@
 #   (default: tests profile overlap kernel offload, in this order)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
-# kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 and qwen, mem=high, K=8 and 16,
-# with the verification-plan-only variant. report: the harness with every system on MODELS x MEMS
+# kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) with the
+# verification knobs one at a time and together (verify_wave=16 is the whole-layer waves of before), qwen K=8. report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
@@ -35,10 +35,12 @@ for step in "${STEPS[@]}"; do
              rc=${PIPESTATUS[0]} ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
-    offload) for model in dsv2 qwen; do
-               python3 scripts/bench_offload.py --models "$model" --k 8 16 --plan-only --out "$OUT/$model" 2>&1 \
-                 | grep -v -i -E "warn|max_cache_len" | tail -14; rc=${PIPESTATUS[0]}
-             done ;;
+    offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --variants verify_wave=16 \
+               verify_wave=4 load_ahead_layers=2 copy_streams=2 initial_chunk=1 \
+               initial_chunk=1,verify_wave=4,load_ahead_layers=2,copy_streams=2 2>&1 \
+               | grep -v -i -E "warn|max_cache_len" | tail -16; rc=${PIPESTATUS[0]}
+             python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" 2>&1 \
+               | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     report) rc=0
             for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true

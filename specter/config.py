@@ -22,6 +22,12 @@ class SpecterConfig:
     initial_chunk: draft tokens of the Cold Start chunk (observed before the first prefetch).
     prefetch_chunk: draft steps whose compute one prefetch batch's transfer may span (1: a batch per
       draft token, each issued as late as it can be).
+    verify_wave: experts per verification wave (0: half the slots); a smaller first wave frees slots for
+      copies sooner, a larger one launches fewer kernels.
+    load_ahead_layers: how many next layers' planned loads start when a verify layer is done (into their
+      slots that hold nothing they plan to use); 0 turns loads ahead off.
+    copy_streams: 1, or 2 to put copies into slots still in use on their own stream, so copies into free
+      slots never queue behind them (H2D bandwidth is shared; measured GB/s is then per stream).
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
     max_cache_len: positions of that static KV cache (grown when a request needs more).
@@ -37,6 +43,9 @@ class SpecterConfig:
     eviction: str = "lru"
     initial_chunk: int = 2
     prefetch_chunk: int = 1
+    verify_wave: int = 0
+    load_ahead_layers: int = 1
+    copy_streams: int = 1
     cuda_graph: bool = True
     max_cache_len: int = 2048
 
@@ -53,6 +62,9 @@ class SpecterConfig:
         for name in ("initial_chunk", "prefetch_chunk"):
             if getattr(self, name) < 1:
                 raise SpecterError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.verify_wave < 0 or self.load_ahead_layers < 0 or self.copy_streams not in (1, 2):
+            raise SpecterError(f"verify_wave and load_ahead_layers must be >= 0 and copy_streams 1 or 2, got "
+                               f"{self.verify_wave}, {self.load_ahead_layers}, {self.copy_streams}")
         if not 0.0 < self.top_p <= 1.0:
             raise SpecterError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -12,7 +12,7 @@ from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT, TARGET
 from specter.offload.draft_graph import capture_draft_step
-from specter.offload.runtime import offload_experts
+from specter.offload.runtime import VerifyOptions, offload_experts
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import NoPrefetch, PrefetchPlanner
 from specter.prefetch.quality import PrefetchQuality
@@ -145,7 +145,9 @@ class SpecterEngine:
         slots = self.config.resident_experts_per_layer
         if slots is None:
             return None
-        return offload_experts(self.model, slots, self.config.eviction, self.config.expert_wise)
+        cfg = self.config
+        options = VerifyOptions(cfg.expert_wise, cfg.verify_wave, cfg.load_ahead_layers, cfg.copy_streams)
+        return offload_experts(self.model, slots, cfg.eviction, options=options)
 
     def _reset(self) -> None:
         """Same starting state for every request: cache emptied, counters cleared, generator seeded."""

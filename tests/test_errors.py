@@ -55,3 +55,10 @@ def test_bad_sampling_settings():
     with pytest.raises(ValueError):
         specter.SpecterConfig(top_p=0)
     assert get_spec("tiny").name == "tiny-dsv2"
+
+
+@pytest.mark.parametrize("field", [dict(verify_wave=-1), dict(load_ahead_layers=-1), dict(copy_streams=3),
+                                   dict(initial_chunk=0), dict(prefetch_chunk=0)])
+def test_bad_offload_knobs(field):
+    with pytest.raises(SpecterError, match="must be"):
+        specter.SpecterConfig(**field)

@@ -24,10 +24,12 @@ def test_greedy_with_offload_equals_hf_generate(tiny_name, slots):
         out = engine.generate(prompt(text), NEW)
         assert out.token_ids == hf_greedy(tiny_name, prompt(text), NEW), (tiny_name, slots, text)
         assert out.stats["misses"] > 0 and out.stats["h2d_bytes"] > 0
+        assert out.stats["verify_host_ms"] > out.stats["verify_host_wait_ms"] >= 0
 
 
 @pytest.mark.parametrize("variant", [dict(prefetch=False), dict(expert_wise=False), dict(eviction="lookahead"),
-                                     dict(k=16, initial_chunk=1)])
+                                     dict(k=16, initial_chunk=1), dict(verify_wave=1, load_ahead_layers=2),
+                                     dict(load_ahead_layers=0, copy_streams=2)])
 def test_ablations_stay_lossless(variant):
     model = fresh("tiny-qwen")
     config = specter.SpecterConfig(**{"k": 6, "resident_experts_per_layer": 2, **variant})

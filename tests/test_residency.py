@@ -80,3 +80,18 @@ def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
     manager(layer_module(0), torch.randn(4, HIDDEN), routing, torch.full((4, 2), 0.5))
     assert events == [("run", [0, 1]), ("load", 4), ("load", 5), ("run", [2, 3]), ("load", 6), ("load", 7),
                       ("run", [4, 5]), ("run", [6, 7])]
+
+
+@pytest.mark.parametrize("wave, ahead", [(1, 0), (3, 2)])
+def test_wave_size_and_layers_ahead_are_options(wave, ahead):
+    manager, _ = make_runtime(slots=4, seed=1)
+    manager.wave, manager.ahead_layers = wave, ahead
+    cache, sizes = manager.cache, []
+    run_wave = manager._run_wave
+    manager._run_wave = lambda module, h, idx, w, rows: (sizes.append(len(w)), run_wave(module, h, idx, w, rows))
+    cache.verify_plan = {layer: [4, 5, 6, 7] for layer in range(LAYERS)}  # nothing of it resident yet
+    routing = torch.tensor([[4, 5], [6, 7]])
+    manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
+    assert max(sizes) == wave
+    assert sorted(manager.loaded_ahead) == list(range(1, 1 + ahead))  # layers 1..ahead started their plans
+    assert cache.counters["loads_ahead"] == 4 * ahead

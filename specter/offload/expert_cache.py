@@ -221,5 +221,6 @@ class ExpertCache:
             self.counters["evictions"] += 1
         slots.expert_of[slot], slots.slot_of[expert], slots.loaded_by[slot] = expert, slot, reason
         slots.ready[slot] = self.streams.copy(self.buffers[layer][slot], self.store.expert(layer, expert),
-                                              after=slots.last_use[slot], demand=reason == DEMAND)
+                                              after=slots.last_use[slot], demand=reason == DEMAND,
+                                              previous=slots.ready[slot])
         return slot

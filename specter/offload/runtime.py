@@ -38,6 +38,8 @@ class OffloadRuntime:
             "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
             **self.streams.stats(),
             "working_set_mean": mean(sets) if sets else float("nan"),
+            "verify_host_ms": self.residency.host_ms,  # host time in the MoE layers of target passes
+            "verify_host_wait_ms": self.residency.host_wait_ms,  # of it: waiting for routers' top-k
             "routing_counts": [self.residency.routing_counts.get(layer, []) for layer in range(len(self.cache.layers))],
             "resident_experts_per_layer": self.cache.slots_per_layer,
             "eviction_policy": self.cache.policy.name,
@@ -56,17 +58,30 @@ def move_experts_to_store(model) -> HostExpertStore:
     return store
 
 
-def offload_experts(model, slots: int, policy: str = "lru", expert_wise: bool = True) -> OffloadRuntime:
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How verification streams experts (SpecterConfig's verify_wave, load_ahead_layers, copy_streams)."""
+
+    expert_wise: bool = True
+    wave: int = 0
+    ahead_layers: int = 1
+    copy_streams: int = 1
+
+
+def offload_experts(model, slots: int, policy: str = "lru", expert_wise: bool = True,
+                    options: VerifyOptions | None = None) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
-    slot count or policy builds a new cache over the same store.
+    slot count or policy builds a new cache over the same store. Every call sets the verification
+    options (`options`, else the defaults with `expert_wise`), so each system decodes with its own.
     """
     if not 1 <= slots <= model.num_experts:
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
+    options = options or VerifyOptions(expert_wise=expert_wise)
     runtime = model.offload
     if runtime is not None and runtime.cache.slots_per_layer == slots and runtime.cache.policy.name == policy:
-        runtime.residency.expert_wise = expert_wise
+        _configure(runtime, options)
         return runtime
     if model.host_store is None:
         model.host_store = move_experts_to_store(model)
@@ -78,11 +93,19 @@ def offload_experts(model, slots: int, policy: str = "lru", expert_wise: bool = 
         runtime.cache.buffers.clear()  # free the old slots before allocating the new ones
         release_device_memory()
     cache = ExpertCache(store, slots, model.device, streams, policy)
-    runtime = OffloadRuntime(store, streams, cache, ResidencyManager(cache, expert_wise))
+    runtime = OffloadRuntime(store, streams, cache, ResidencyManager(cache))
+    _configure(runtime, options)
     for module in model.experts:
         module.target_executor = runtime.residency
     model.offload = runtime
     return runtime
+
+
+def _configure(runtime: OffloadRuntime, options: VerifyOptions) -> None:
+    residency = runtime.residency
+    residency.expert_wise, residency.wave, residency.ahead_layers = (options.expert_wise, options.wave,
+                                                                     options.ahead_layers)
+    runtime.streams.split_waiting_copies = options.copy_streams == 2
 
 
 def is_offloaded(model) -> bool:

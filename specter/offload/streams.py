@@ -18,6 +18,8 @@ class DeviceStreams:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
+        self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
         self._copies: list[tuple] = []  # (start, end, bytes) per copy
 
@@ -29,10 +31,13 @@ class DeviceStreams:
         event.record()
         return event
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, demand: bool = False):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, demand: bool = False, previous=None):
         """dst <- src on the copy stream once `after` (the slot's last use) has passed; returns the ready event.
 
-        On CPU the copy is synchronous; a `demand` copy (compute is waiting for it) counts as a stall.
+        With `split_waiting_copies`, a copy whose `after` has not passed yet goes to a second stream, so
+        copies into free slots do not queue behind it; it then also waits for `previous` (the slot's last
+        copy, which may be on the other stream). On CPU the copy is synchronous; a `demand` copy (compute
+        is waiting for it) counts as a stall.
         """
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
@@ -44,12 +49,18 @@ class DeviceStreams:
                 self._stalls.append(span)
             return None
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.copy_stream):
-            if after is not None:
-                self.copy_stream.wait_event(after)
-            start.record(self.copy_stream)
+        stream = self.copy_stream
+        if self.split_waiting_copies:
+            stream = self.waiting_stream if after is not None and not after.query() else self.copy_stream
+            for event in (after, previous):
+                if event is not None:
+                    stream.wait_event(event)  # the slot's last copy may be on the other stream
+        elif after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            start.record(stream)
             dst.copy_(src, non_blocking=True)
-            ready.record(self.copy_stream)
+            ready.record(stream)
         self._copies.append((start, ready, nbytes))
         return ready
 
@@ -82,6 +93,7 @@ class DeviceStreams:
         if self.cuda:
             torch.cuda.current_stream().synchronize()
             self.copy_stream.synchronize()
+            self.waiting_stream.synchronize()
 
     def reset_stats(self) -> None:
         self._stalls, self._copies = [], []

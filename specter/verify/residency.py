@@ -1,6 +1,7 @@
 """Verification residency manager: expert-wise target execution, cache hits first while misses stream in."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -28,16 +29,24 @@ class ResidencyManager:
     combined with the routing weights at the end, so order does not change the result.
     """
 
-    def __init__(self, cache: ExpertCache, expert_wise: bool = True) -> None:
+    def __init__(self, cache: ExpertCache, expert_wise: bool = True, wave: int = 0, ahead_layers: int = 1) -> None:
         self.cache = cache
         self.expert_wise = expert_wise
+        self.wave, self.ahead_layers = wave, ahead_layers  # experts per wave (0: half the slots); layers ahead
         self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
         self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens routed to each expert (target)
         self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
+        self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self._verify_layer(module, hidden, top_k_index, top_k_weights)
+        self.host_ms += (time.perf_counter() - start) * 1e3
+        return out
+
+    def _verify_layer(self, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         if self.expert_wise:
             self._expert_wise(module, hidden, top_k_index, rows)  # rows: [T*k, H]
@@ -67,16 +76,19 @@ class ResidencyManager:
         planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]  # most routed first
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
         self._stream(module, hidden, top_k_index, ready_first, deque(planned), rows)
+        waited = time.perf_counter()
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
+        self.host_wait_ms += (time.perf_counter() - waited) * 1e3
         hits_possible = {e: s for e, s in resident.items() if e not in ahead}
         cache.count_lookups(layer, routed, hits_possible, set(planned) | ahead, prefetched)
         computed = resident.keys() | set(planned)
         unplanned = deque(e for e in routed if e not in computed)
         self._stream(module, hidden, top_k_index, [], unplanned, rows)
-        self._load_ahead(layer + 1)
+        for ahead in range(layer + 1, layer + 1 + self.ahead_layers):
+            self._load_ahead(ahead)
 
     def _load_ahead(self, layer: int) -> None:
-        """Start the next layer's planned loads into its slots that hold nothing it plans to use, so the
+        """Start a next layer's planned loads into its slots that hold nothing it plans to use, so the
         copy stream goes on from this layer's loads instead of idling until the next layer's first wave."""
         if layer >= len(self.cache.layers) or not self.cache.verify_plan:
             return
@@ -91,10 +103,11 @@ class ResidencyManager:
     def _stream(self, module, hidden, top_k_index, current: list, pending: deque, rows) -> None:
         """Run `current` (resident (expert, slot) pairs) and load and run `pending` experts, a wave at a time.
 
-        A wave is at most half the layer's slots, so the slots of one wave take new copies while the next
-        wave computes: the copy stream is not held up by the compute of a whole layer's worth of slots.
+        A wave is at most half the layer's slots (or `wave` experts), so the slots of one wave take new
+        copies while the next wave computes: the copy stream is not held up by the compute of a whole
+        layer's worth of slots.
         """
-        layer, size = module.moe_layer, max(1, self.cache.slots_per_layer // 2)
+        layer, size = module.moe_layer, self.wave or max(1, self.cache.slots_per_layer // 2)
         queue = deque(current)
         queue.extend(self._load_wave(layer, pending))
         while queue:
@@ -138,6 +151,7 @@ class ResidencyManager:
 
     def reset(self) -> None:
         self.demand, self.working_sets, self.routing_counts, self.loaded_ahead = {}, [], {}, {}
+        self.host_ms = self.host_wait_ms = 0.0
 
     def take_demand(self) -> dict[int, set]:
         """The target's routing since the last call (one verify window), cleared with the window's plan."""
