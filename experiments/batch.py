@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts
-from experiments.records import RecordWriter, record, unavailable
+from experiments.records import SUMMARY_KEYS, RecordWriter, record, unavailable
 from experiments.settings import header, load
 from experiments.systems import build_system
 from specter.metrics import GenerationResult
@@ -42,7 +42,7 @@ def run_batch(cfg, out_dir, open_writer):
                 warm_up(runnable, key, requests, writer, warm)
                 run_batch_case(runnable, key, requests, cfg.max_new_tokens, writer, cfg.token_caps)
                 bar.update(len(runnable))
-    return header(model, config, cfg, f"batch (B = {sizes})"), ("system", "batch_size", "dataset")
+    return header(model, config, cfg, f"batch (B = {sizes})"), SUMMARY_KEYS["batch"]
 
 
 def warm_up(systems: list, key: dict, requests: list, writer: RecordWriter, warm: set) -> None:

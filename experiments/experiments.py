@@ -11,6 +11,7 @@ import torch
 from experiments.batch import run_batch
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, run_cases
+from experiments.records import SUMMARY_KEYS
 from experiments.routing import run_routing
 from experiments.settings import header, load, specter_config
 from experiments.systems import build_system
@@ -26,7 +27,7 @@ def run_main(cfg, out_dir: Path, open_writer):
     systems = [build_system(name, model, config) for name in cfg.systems]
     run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(), cfg.strict,
               tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps)
-    return header(model, config, cfg, "main"), ("system", "dataset")
+    return header(model, config, cfg, "main"), SUMMARY_KEYS["main"]
 
 
 def run_depth(cfg, out_dir: Path, open_writer):
@@ -42,7 +43,7 @@ def run_depth(cfg, out_dir: Path, open_writer):
                       repeat_offset=repeat)
     best = best_k(writer.rows)
     (out_dir / "best_k.json").write_text(json.dumps({"model": model.spec.name, "mem": cfg.mem.name, "best_k": best}))
-    return header(model, config, cfg, f"depth (best K = {best})"), ("system", "k")
+    return header(model, config, cfg, f"depth (best K = {best})"), SUMMARY_KEYS["depth"]
 
 
 def best_k(rows: list[dict]) -> int:
@@ -66,7 +67,7 @@ def run_prefix(cfg, out_dir: Path, open_writer):
         prompts = encode_prompts(model, texts, int(prefix))
         run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, writer, cfg.strict,
                   tags={"k": config.k, "prefix_tokens": int(prefix)}, token_caps=cfg.token_caps)
-    return header(model, config, cfg, "prefix"), ("system", "prefix_tokens")
+    return header(model, config, cfg, "prefix"), SUMMARY_KEYS["prefix"]
 
 
 def run_kernel(cfg, out_dir: Path, open_writer):
@@ -75,10 +76,10 @@ def run_kernel(cfg, out_dir: Path, open_writer):
     if not torch.cuda.is_available():
         writer.add({"system": "fused_int4", "dataset": "-", "prompt_id": -1,
                     "status": "unavailable: the kernel benchmark times Triton kernels on a CUDA GPU"})
-        return "kernel: no CUDA device", ("system", "dataset")
+        return "kernel: no CUDA device", SUMMARY_KEYS["kernel"]
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_kernel.py"), "--out", str(out_dir)]
     subprocess.run(cmd, check=True)
-    return f"kernel: table in {out_dir / 'kernel.csv'}", ("system", "dataset")
+    return f"kernel: table in {out_dir / 'kernel.csv'}", SUMMARY_KEYS["kernel"]
 
 
 EXPERIMENTS = {"main": run_main, "depth": run_depth, "prefix": run_prefix, "routing": run_routing,

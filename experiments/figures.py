@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 from specter.errors import SpecterError  # noqa: E402
 
@@ -137,6 +138,9 @@ def figure15_batch(root: Path, out: Path) -> list[Path]:
         _batch_axis(ax, data.batch_size)
     left.set(ylabel="mean TPOT (ms)")
     right.set(yscale="log", ylabel="throughput (tokens/s)")
+    right.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, ...
+    right.yaxis.set_major_formatter(ScalarFormatter())
+    right.yaxis.set_minor_formatter(NullFormatter())
     left.legend(fontsize=6)
     fig.suptitle("Figure 15: batched decoding")
     fig.tight_layout()

@@ -62,6 +62,12 @@ class RecordWriter:
             csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore").writerow(row)
 
 
+SUMMARY_KEYS = {  # experiment -> the columns its summary groups by
+    "main": ("system", "dataset"), "routing": ("system", "dataset"), "kernel": ("system", "dataset"),
+    "depth": ("system", "k"), "prefix": ("system", "prefix_tokens"), "batch": ("system", "batch_size", "dataset"),
+}
+
+
 def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")) -> pd.DataFrame:
     """Mean metrics per group plus an AVG row per system; Specter's TPOT speedup over each system."""
     if records.empty:

@@ -9,7 +9,7 @@ import pandas as pd
 
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, warm_up
-from experiments.records import record, unavailable
+from experiments.records import SUMMARY_KEYS, record, unavailable
 from experiments.settings import header, load
 from experiments.systems import build_system
 
@@ -53,4 +53,4 @@ def run_routing(cfg, out_dir: Path, open_writer):
              for a, b in itertools.combinations(counts, 2)]
     pd.DataFrame(pairs, columns=["dataset_a", "dataset_b", "js_distance"]).to_csv(out_dir / "routing_js.csv",
                                                                                  index=False)
-    return header(model, config, cfg, "routing"), ("system", "dataset")
+    return header(model, config, cfg, "routing"), SUMMARY_KEYS["routing"]

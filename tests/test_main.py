@@ -9,6 +9,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.settings import model_choice, results_dir, specter_config
+from experiments.summarize import main as summarize_main
+from experiments.summarize import summarize_dir
 from experiments.systems import build_system, known_systems
 from tests.conftest import tiny_model
 
@@ -124,3 +126,18 @@ def test_model_options_agree_with_the_registry(model):
     spec = spec or get_spec(model)
     assert cfg.model.default_k == spec.default_k
     assert dict(cfg.model.mem_presets) == spec.mem_presets
+
+
+def test_summary_of_a_cut_run_is_rebuilt_from_its_records(tmp_path):
+    out = tmp_path / "batch"
+    result = run_main(f"results_dir={out}", "experiment=batch", "experiment.batch_sizes=[1,2]", "num_prompts=2",
+                      "max_new_tokens=6", "repeats=1", "systems=[specter,mo_sm]", "dataset=gsm8k", cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    written = pd.read_csv(out / "summary.csv")
+    (out / "summary.csv").rename(out / "written.csv")  # as if the run had been cut before writing it
+    rebuilt = summarize_dir(out)
+    pd.testing.assert_frame_equal(pd.read_csv(out / "summary.csv"), written)
+    assert set(rebuilt.batch_size.dropna()) == {1, 2}
+    with pytest.raises(ValueError, match="never overwritten"):
+        summarize_dir(out)
+    assert summarize_main([str(tmp_path)]) == 2  # not a results directory: one-line error, exit 2
