@@ -13,25 +13,8 @@ from specter.models.hybrid_experts import TARGET
 from specter.spec.state import crop_cache
 
 
-def merge_left_padded(caches: list[DynamicCache], length: int, config) -> DynamicCache:
-    """One cache of batch B from B single-request caches, each left-padded with zeros to `length`.
-
-    Zero keys and values (never NaN) at masked positions contribute exactly nothing to attention.
-    """
-    data = []
-    for layer in range(len(caches[0].layers)):
-        keys, values = [], []
-        for cache in caches:
-            k, v = cache.layers[layer].keys, cache.layers[layer].values  # [1, H, L, D]
-            pad = (0, 0, length - k.shape[-2], 0)  # left of the sequence dim
-            keys.append(F.pad(k, pad))
-            values.append(F.pad(v, pad))
-        data.append((torch.cat(keys), torch.cat(values)))  # [B, H, length, D]
-    return DynamicCache(ddp_cache_data=data, config=config)
-
-
 def fill_static(cache: StaticCache, merged: DynamicCache) -> bool:
-    """Copy a merged cache into an empty StaticCache of the same batch (fixed addresses: graph-safe);
+    """Copy a batch's cache into an empty StaticCache of the same batch (fixed addresses: graph-safe);
     False when a layer is not a plain static layer (sliding windows) or the cache is too short."""
     width = merged.get_seq_length()
     if any(type(layer) is not StaticLayer for layer in cache.layers) or width > cache.max_cache_len:
@@ -46,7 +29,7 @@ def fill_static(cache: StaticCache, merged: DynamicCache) -> bool:
 
 
 class BatchState:
-    """Committed tokens and KV of B requests in one cache.
+    """Committed tokens and KV of B requests in one cache, filled by one left-padded prefill.
 
     Column j of the cache holds, for every request, one KV entry or a hole. The mask [B, S] marks each
     request's own entries (1) against holes (0): the left padding of shorter prompts and the positions
@@ -77,24 +60,23 @@ class BatchState:
         return self.tokens[request][self.prompt_lengths[request]:]
 
     def prefill(self) -> torch.Tensor:
-        """Each prompt alone through the target (its unbatched prefill exactly), then one left-padded
-        cache; returns the last position's logits [B, V]."""
-        caches, logits = [], []
-        for tokens in self.tokens:
-            cache = DynamicCache(config=self.model.hf.config)
-            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T_r]
-            logits.append(self.model.forward(ids, cache, TARGET)[0, -1])
-            caches.append(cache)
+        """All prompts in one target forward, left-padded (each expert is loaded once for the whole batch,
+        not once per request); returns the last position's logits [B, V]."""
         width = max(self.prompt_lengths)
-        self.cache = merge_left_padded(caches, width, self.model.hf.config)
+        ids = torch.zeros(self.batch_size, width, dtype=torch.long, device=self.device)  # [B, width]
+        self.mask = torch.zeros(self.batch_size, width, dtype=torch.long, device=self.device)
+        for request, tokens in enumerate(self.tokens):
+            ids[request, width - len(tokens):] = torch.tensor(tokens, device=self.device)
+            self.mask[request, width - len(tokens):] = 1
+        positions = (self.mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, width]: each request from 0
+        self.cache = DynamicCache(config=self.model.hf.config)
+        bias = self._bias_4d(self.mask, width, width)  # padding rows see only themselves: never all masked
+        logits = self.model.forward(ids, self.cache, TARGET, bias, positions)[:, -1]  # [B, V]
         if self.static is not None and fill_static(self.static, self.cache):
             self.cache = self.static
         else:
             self.static = None
-        self.mask = torch.zeros(self.batch_size, width, dtype=torch.long, device=self.device)
-        for request, length in enumerate(self.prompt_lengths):
-            self.mask[request, width - length:] = 1
-        return torch.stack(logits)
+        return logits
 
     def step_inputs(self, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention_mask, position_ids [B, length]) for `length` new columns after `offset` scratch
@@ -106,15 +88,18 @@ class BatchState:
         positions = self.next_positions + offset + torch.arange(length, device=self.device)  # [B, length]
         if self.static is None:
             return keep, positions
-        return self._bias_4d(keep, length), positions
+        return self._bias_4d(keep, length, self.static.max_cache_len), positions
 
-    def _bias_4d(self, keep: torch.Tensor, length: int) -> torch.Tensor:
-        """Additive mask [B, 1, length, max_len]: query t sees the kept columns up to its own column."""
-        total, width = keep.shape[1], self.static.max_cache_len
-        keep = F.pad(keep, (0, width - total))  # [B, max_len]
+    def _bias_4d(self, keep: torch.Tensor, length: int, width: int) -> torch.Tensor:
+        """Additive mask [B, 1, length, width] for the last `length` of the kept columns: query t sees the
+        kept columns up to its own column, and always its own column (so no row is fully masked)."""
+        total = keep.shape[1]
+        keep = F.pad(keep, (0, width - total))  # [B, width]
         query_column = total - length + torch.arange(length, device=self.device)  # [length]
-        causal = torch.arange(width, device=self.device).unsqueeze(0) <= query_column.unsqueeze(1)  # [length, max_len]
-        allowed = keep.bool().unsqueeze(1) & causal.unsqueeze(0)  # [B, length, max_len]
+        column = torch.arange(width, device=self.device).unsqueeze(0)  # [1, width]
+        causal = column <= query_column.unsqueeze(1)  # [length, width]
+        own = column == query_column.unsqueeze(1)  # [length, width]
+        allowed = (keep.bool().unsqueeze(1) & causal.unsqueeze(0)) | own.unsqueeze(0)  # [B, length, width]
         bias = torch.zeros(allowed.shape, dtype=self.model.dtype, device=self.device)
         return bias.masked_fill_(~allowed, torch.finfo(self.model.dtype).min).unsqueeze(1)
 
