@@ -62,6 +62,20 @@ def test_engine_draft_counts_equal_the_draft_routing():
         assert torch.equal(elb.counts[layer], torch.bincount(flat, minlength=model.num_experts).int())
 
 
+def test_nested_observers_restore_the_outer_one():
+    model = tiny_model("tiny")
+    outer, inner = [], []
+    with model.observe_draft_routing(lambda layer, idx: outer.append(layer)):
+        with model.observe_draft_routing(lambda layer, idx: inner.append(layer)):
+            pass
+        state = StateManager(model, prompt())
+        state.prefill()
+        with state.draft_scratch():
+            model.forward(torch.tensor([[5]]), state.cache, DRAFT)
+    assert inner == [] and outer == list(range(model.num_moe_layers))
+    assert all(module.routing_observer is None for module in model.experts)
+
+
 def test_phases_and_boundaries():
     planner, elb, cache = planner_with(slots=4, prefetch_chunk=8)
     loads_after = {}

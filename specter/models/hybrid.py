@@ -32,14 +32,16 @@ class HybridMoEModel:
 
     @contextmanager
     def observe_draft_routing(self, observer) -> Iterator[None]:
-        """Report every draft-mode top-k routing to `observer(moe_layer, top_k_index)` inside the block."""
+        """Report every draft-mode top-k routing to `observer(moe_layer, top_k_index)` inside the block
+        (nested blocks restore the outer observer)."""
+        previous = [module.routing_observer for module in self.experts]
         for module in self.experts:
             module.routing_observer = observer
         try:
             yield
         finally:
-            for module in self.experts:
-                module.routing_observer = None
+            for module, outer in zip(self.experts, previous):
+                module.routing_observer = outer
 
     @property
     def device(self) -> torch.device:
