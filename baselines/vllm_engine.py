@@ -25,6 +25,7 @@ from specter.models.hybrid import HybridMoEModel
 from specter.offload.budget import GB, plan_memory
 
 VLLM_VERSION = "0.32.0"
+VLLM_MAX_MODEL_LEN = 2048  # positions vLLM plans its KV for (capped by the model's own)
 WORKER = Path(__file__).with_name("vllm_worker.py")
 SETUP = "scripts/setup_vllm_env.sh"
 # transformers 5 class names -> vLLM's registry names, where they differ (written into the checkpoint's config)
@@ -182,8 +183,8 @@ class VLLMBaseline:
         self.model = model
         self.offload_gb, self.budget_gb = memory_sizing(model, config)
         self.checkpoint = checkpoint
-        positions = getattr(model.hf.config, "max_position_embeddings", None) or config.max_cache_len
-        self.max_model_len = max_model_len or min(config.max_cache_len, positions)
+        positions = getattr(model.hf.config, "max_position_embeddings", None) or VLLM_MAX_MODEL_LEN
+        self.max_model_len = max_model_len or min(VLLM_MAX_MODEL_LEN, positions)
         self.load_s: float | None = None
         self._availability: tuple[bool, str] | None = None
         self._state: dict = {}

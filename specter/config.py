@@ -30,7 +30,9 @@ class SpecterConfig:
       slots never queue behind them (H2D bandwidth is shared; measured GB/s is then per stream).
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
-    max_cache_len: positions of that static KV cache (grown when a request needs more).
+    max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
+      of the paper's protocol, 16 + 128 tokens, fits 256). Attention covers every position of it each
+      step, and DeepSeek-V2 re-expands its MLA latent over all of them, so it is kept short.
     """
 
     k: int = 4
@@ -47,7 +49,7 @@ class SpecterConfig:
     load_ahead_layers: int = 1
     copy_streams: int = 1
     cuda_graph: bool = True
-    max_cache_len: int = 2048
+    max_cache_len: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:

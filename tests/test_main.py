@@ -131,7 +131,7 @@ def test_model_options_agree_with_the_registry(model):
 def test_summary_of_a_cut_run_is_rebuilt_from_its_records(tmp_path):
     out = tmp_path / "batch"
     result = run_main(f"results_dir={out}", "experiment=batch", "experiment.batch_sizes=[1,2]", "num_prompts=2",
-                      "max_new_tokens=6", "repeats=1", "systems=[specter,mo_sm]", "dataset=gsm8k", cwd=ROOT)
+                      "max_new_tokens=6", "repeats=1", "systems=[specter,mo_sm]", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     written = pd.read_csv(out / "summary.csv")
     (out / "summary.csv").rename(out / "written.csv")  # as if the run had been cut before writing it

@@ -22,7 +22,7 @@ from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept, logits_to_probs, next_token, rejection_accept, seeded_generator
 from specter.spec.state import StateManager, new_static_cache
 
-MIN_STATIC_CACHE = 2048
+MIN_STATIC_CACHE = 256  # as SpecterConfig.max_cache_len: attention covers all of it every draft step
 
 
 @dataclass(frozen=True)
