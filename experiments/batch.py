@@ -69,14 +69,17 @@ def usable_systems(systems: list, writer: RecordWriter, tags: dict) -> list:
 
 def run_batch_case(systems: list, key: dict, requests: list[torch.Tensor], max_new_tokens: int,
                    writer: RecordWriter, token_caps: dict | None = None) -> None:
-    """One batch on every system; each request's tokens are checked against (the same prefix of)
-    target-only's batch. `token_caps`: system -> fewer tokens per request for very slow systems."""
-    caps = token_caps or {}
-    results = {s.name: s.generate(requests, min(max_new_tokens, int(caps.get(s.name) or max_new_tokens)))
-               for s in systems if not writer.done({**key, "system": s.name})}
-    reference = results.get("target_only")
-    for name, batch in results.items():
-        writer.add(batch_row({**key, "system": name}, batch, None if name == "target_only" else reference))
+    """One batch on every system, each row written as soon as it is measured (a cut run keeps it);
+    target-only goes first, and each other system's tokens are checked against (the same prefix of)
+    its batch. `token_caps`: system -> fewer tokens per request for very slow systems."""
+    caps, reference = token_caps or {}, None
+    for system in sorted(systems, key=lambda s: s.name != "target_only"):
+        if writer.done({**key, "system": system.name}):
+            continue
+        batch = system.generate(requests, min(max_new_tokens, int(caps.get(system.name) or max_new_tokens)))
+        is_reference = system.name == "target_only"
+        reference = batch if is_reference else reference
+        writer.add(batch_row({**key, "system": system.name}, batch, None if is_reference else reference))
 
 
 def batch_row(key: dict, batch: list[GenerationResult], reference: list[GenerationResult] | None) -> dict:

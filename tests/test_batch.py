@@ -171,7 +171,28 @@ def test_batch_cases_honour_token_caps_and_check_the_reference_prefix(tmp_path):
         return SimpleNamespace(name=name, generate=lambda requests, n: [GenerationResult(tokens[:n], dict(stats))
                                                                         for _ in requests])
     writer = RecordWriter(tmp_path)
-    run_batch_case([system("target_only", [1, 2, 3, 4]), system("slow", [1, 2, 9])], {"dataset": "d", "batch_size": 2},
+    run_batch_case([system("slow", [1, 2, 9]), system("target_only", [1, 2, 3, 4])], {"dataset": "d", "batch_size": 2},
                    [torch.tensor([[1]])] * 2, 4, writer, {"slow": 2})
+    assert [r["system"] for r in writer.rows] == ["target_only", "slow"]  # the reference runs first
     rows = {r["system"]: r for r in writer.rows}
     assert rows["slow"]["tokens_match_target"] == "yes"  # its 2 tokens are target-only's first 2
+
+
+def test_a_case_cut_midway_keeps_the_rows_already_measured(tmp_path):
+    from types import SimpleNamespace
+
+    from experiments.batch import run_batch_case
+    from experiments.records import RecordWriter
+    from specter.metrics import GenerationResult
+
+    def cut(requests, n):
+        raise TimeoutError("the call limit")
+
+    stats = {"mean_tpot_ms": 1.0, "throughput_tok_s": 2.0, "generated_tokens": 4}
+    done = SimpleNamespace(name="mo_sm", generate=lambda requests, n: [GenerationResult([1] * n, dict(stats))
+                                                                       for _ in requests])
+    writer = RecordWriter(tmp_path)
+    with pytest.raises(TimeoutError):
+        run_batch_case([done, SimpleNamespace(name="specmoeoff_sm", generate=cut)], {"dataset": "d", "batch_size": 2},
+                       [torch.tensor([[1]])] * 2, 4, writer)
+    assert [r["system"] for r in RecordWriter(tmp_path, resume=True).rows] == ["mo_sm"]
