@@ -9,7 +9,8 @@
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
-# default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k), resuming
+# default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
+# Hydra overrides such as token_caps.specmoeoff_sm=32), resuming
 # REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
 # llamacpp: a CUDA (sm_90) build of
 # llama-cpp-python from the sdist staged by scripts/stage_llamacpp_cuda.sh (carry .llamacpp) into
@@ -55,7 +56,7 @@ for step in "${STEPS[@]}"; do
            python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights=synthetic \
              dataset="${BATCH_DATASET:-gsm8k}" num_prompts=32 repeats=1 max_new_tokens="${BATCH_TOKENS:-64}" \
              "experiment.batch_sizes=[${BATCH_SIZES:-1,4,16,32}]" token_caps.transformers=4 \
-             'systems=[specter,mo_sm,specmoeoff_sm,transformers]' results_dir="$dir" resume=$resume \
+             'systems=[specter,mo_sm,specmoeoff_sm,transformers]' results_dir="$dir" resume=$resume ${BATCH_ARGS:-} \
              > "$OUT/batch-dsv2.log" 2>&1; rc=$?
            grep -E " AVG |error" "$OUT/batch-dsv2.log"
            tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
