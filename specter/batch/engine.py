@@ -84,9 +84,9 @@ BATCH_CACHE_QUANTUM = 256  # static batch caches are sized in these steps, so sh
 
 
 def static_batch_cache(engine, prompts: list[torch.Tensor], max_new_tokens: int):
-    """The engine's static KV cache for this batch (kept while the batch size and length fit), or None
-    when the draft runs eagerly (no CUDA, graphs off). Room for the longest request plus a few windows of
-    holes; the batch state compacts it when the holes fill it."""
+    """The engine's static KV cache for this batch, or None when the draft runs eagerly (no CUDA, graphs
+    off). One cache (and captured graph) per (batch size, length), reused until either changes. Room for
+    the longest request plus a few windows of holes; the batch state compacts it when the holes fill it."""
     if not (engine.config.cuda_graph and engine.model.device.type == "cuda"):
         engine.batch_graph_status = "off: no CUDA graphs here"
         return None
