@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.batch.engine import active_requests, batch_results
+from specter.batch.engine import active_requests, batch_results, generated_tokens
 from specter.batch.state import BatchState
 from specter.inputs import check_batch, check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
@@ -78,4 +78,4 @@ class TargetOnly:
                     m.commit(1)
             active = active_requests(state, max_new_tokens, None)
         shared = self.runtime.stats() if self.runtime is not None else {}
-        return batch_results(state, metrics, max_new_tokens, None, shared)
+        return batch_results(generated_tokens(state), metrics, max_new_tokens, None, shared)

@@ -147,7 +147,7 @@ class SpecterEngine:
             return None
         cfg = self.config
         options = VerifyOptions(cfg.expert_wise, cfg.verify_wave, cfg.load_ahead_layers, cfg.copy_streams)
-        return offload_experts(self.model, slots, cfg.eviction, options=options)
+        return offload_experts(self.model, slots, cfg.eviction, options)
 
     def _reset(self) -> None:
         """Same starting state for every request: cache emptied, counters cleared, generator seeded."""

@@ -16,7 +16,7 @@ from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import TARGET
 from specter.offload.draft_graph import capture_draft_step
-from specter.offload.runtime import offload_experts
+from specter.offload.runtime import VerifyOptions, offload_experts
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept, logits_to_probs, next_token, rejection_accept, seeded_generator
@@ -120,13 +120,18 @@ class SpecMoEOff:
             state.commit([first], kv_keep=state.kv_length)
         return target, draft
 
+    def begin_window(self) -> None:
+        """Loads so far and the resident experts, before a window (for its load count and I/O floor)."""
+        self._window_loads = self._loads()
+        self._resident_at_start = [self.runtime.cache.resident_experts(j) for j in range(self.model.num_moe_layers)]
+
     def choose_k(self) -> int:
         return self.config.fixed_k or best_k(self.costs, self.config.k_max)
 
     def speculate(self, target: StateManager, draft: StateManager, k: int, metrics: DecodeMetrics) -> Window:
         """Draft k tokens on the draft's KV, verify k + 1 positions on the target's, commit to both."""
-        start, self._window_loads = time.perf_counter(), self._loads()
-        self._resident_at_start = [self.runtime.cache.resident_experts(j) for j in range(self.model.num_moe_layers)]
+        start = time.perf_counter()
+        self.begin_window()
         metrics.begin("draft")
         drafts, draft_probs, draft_ms = self.draft(draft, k)
         metrics.end("draft")
@@ -179,7 +184,7 @@ class SpecMoEOff:
 
     def _attach(self):
         """The target's experts through Specter's host store and LRU cache, verified token-wise (no fused kernel)."""
-        return offload_experts(self.model, self.config.slots, policy="lru", expert_wise=False)
+        return offload_experts(self.model, self.config.slots, "lru", VerifyOptions(expert_wise=False))
 
     def _reset(self) -> None:
         """Same start for every request: cache emptied, counters cleared, generator seeded (costs carry over)."""

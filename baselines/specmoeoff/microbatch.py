@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from specter.batch.engine import active_requests, batch_results
+from specter.batch.engine import active_requests, batch_results, generated_tokens
 from specter.batch.state import BatchState
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
@@ -38,8 +38,7 @@ class Microbatch:
     def speculate(self, k: int, max_new_tokens: int, quality: PrefetchQuality) -> None:
         """Draft k tokens per request on the draft's KV, verify k + 1 positions token-wise, commit both."""
         engine, active, start = self.engine, self.active(max_new_tokens), time.perf_counter()
-        engine._window_loads = engine._loads()
-        engine._resident_at_start = [engine.runtime.cache.resident_experts(j) for j in range(engine.model.num_moe_layers)]
+        engine.begin_window()
         drafts = self._draft(k)
         mask, positions = self.target.step_inputs(offset=0, length=k + 1)
         verify_input = torch.cat([self.target.last, drafts], dim=1)  # [b, k+1]
@@ -97,17 +96,9 @@ def generate_microbatches(engine, prompts: list[torch.Tensor], max_new_tokens: i
 
 
 def _combined(engine, micro: list[Microbatch], max_new_tokens: int, quality: PrefetchQuality) -> list[GenerationResult]:
-    shared = engine._stats(micro[0].metrics[0], quality)  # its per-request keys give way to each request's own
-    results = [r for m in micro for r in batch_results(m.target, m.metrics, max_new_tokens, None, shared)]
-    total = sum(r.stats["generated_tokens"] for r in results)
-    wall_ms = max(r.stats["e2e_ms"] for r in results)
-    batch = {"batch_size": len(results), "microbatches": len(micro), "throughput_tok_s": total / wall_ms * 1e3,
-             "mean_tpot_ms": sum(r.stats["tpot_ms"] for r in results) / len(results)}
-    if "h2d_bytes" in shared:
-        batch["h2d_bytes_per_token"] = shared["h2d_bytes"] / max(total, 1)
-    for r in results:
-        r.stats.update(batch)
-    return results
+    shared = {**engine._stats(micro[0].metrics[0], quality), "microbatches": len(micro)}  # per-request keys give way
+    generated = [tokens for m in micro for tokens in generated_tokens(m.target)]
+    return batch_results(generated, [x for m in micro for x in m.metrics], max_new_tokens, None, shared)
 
 
 def _window(k: int, accepted: int, ms: float):

@@ -88,7 +88,6 @@ def static_batch_cache(engine, prompts: list[torch.Tensor], max_new_tokens: int)
     off). One cache (and captured graph) per (batch size, length), reused until either changes. Room for
     the longest request plus a few windows of holes; the batch state compacts it when the holes fill it."""
     if not (engine.config.cuda_graph and engine.model.device.type == "cuda"):
-        engine.batch_graph_status = "off: no CUDA graphs here"
         return None
     k = engine.config.k
     needed = max(p.shape[-1] for p in prompts) + max_new_tokens + 4 * (k + 1)
@@ -140,25 +139,30 @@ def _results(engine, state: BatchState, metrics: list, quality: PrefetchQuality,
     """Per request: its tokens and metrics, plus the shared cache's stats."""
     status = engine.batch_graph_status if state.static is not None else "off: eager (no static batch cache)"
     shared = {**engine._stats(metrics[0], quality), "draft_graph": status}
-    return batch_results(state, metrics, max_new_tokens, eos, shared)
+    return batch_results(generated_tokens(state), metrics, max_new_tokens, eos, shared)
 
 
-def batch_results(state: BatchState, metrics: list, max_new_tokens: int, eos: int | None,
+def generated_tokens(state: BatchState) -> list[list[int]]:
+    return [state.generated(r) for r in range(state.batch_size)]
+
+
+def batch_results(generated: list[list[int]], metrics: list, max_new_tokens: int, eos: int | None,
                   shared: dict) -> list[GenerationResult]:
-    """One result per request: its tokens (cut at max_new_tokens / EOS) and its own metrics (over any
-    per-request key in `shared`), plus the batch's `shared` stats, its throughput (all tokens / time until
-    the last request's last token) and mean TPOT over requests."""
+    """One result per request: its tokens (`generated`, cut at max_new_tokens / EOS) and its own metrics
+    (over any per-request key in `shared`), plus the batch's `shared` stats, its throughput (all tokens /
+    time until the last request's last token) and mean TPOT over requests."""
     summaries = [m.summary() for m in metrics]
     total = sum(s["generated_tokens"] for s in summaries)
     wall_ms = max(s["e2e_ms"] for s in summaries)
     shared = dict(shared)
     if "h2d_bytes" in shared:
         shared["h2d_bytes_per_token"] = shared["h2d_bytes"] / max(total, 1)
-    batch = {"batch_size": state.batch_size, "throughput_tok_s": total / wall_ms * 1e3 if wall_ms > 0 else float("nan"),
+    batch = {"batch_size": len(generated),
+             "throughput_tok_s": total / wall_ms * 1e3 if wall_ms > 0 else float("nan"),
              "mean_tpot_ms": sum(s["tpot_ms"] for s in summaries) / len(summaries)}
     results = []
-    for r, summary in enumerate(summaries):
-        tokens = state.generated(r)[:max_new_tokens]
+    for tokens, summary in zip(generated, summaries):
+        tokens = tokens[:max_new_tokens]
         if eos is not None and eos in tokens:
             tokens = tokens[: tokens.index(eos) + 1]
         results.append(GenerationResult(tokens, {**shared, **summary, **batch}))

@@ -111,13 +111,14 @@ class BatchState:
         if width + columns > self.static.max_cache_len:
             raise ValueError(f"static batch cache of {self.static.max_cache_len} positions is too short for "
                              f"{width + columns}")
-        order = torch.sort(self.mask, dim=1, stable=True).indices[:, -width:]  # [B, width]: holes first, then own
+        packed, order = torch.sort(self.mask, dim=1, stable=True)  # holes first, then each request's own
+        order = order[:, -width:]  # [B, width]
         for layer in self.static.layers:
             for data in (layer.keys, layer.values):  # [B, H, max_len, D]
                 index = order[:, None, :, None].expand(-1, data.shape[1], -1, data.shape[3])
                 data[:, :, :width].copy_(torch.gather(data, 2, index))
             layer.cumulative_length.fill_(width)
-        self.mask = torch.sort(self.mask, dim=1, stable=True).values[:, -width:]
+        self.mask = packed[:, -width:]
 
     @contextmanager
     def draft_scratch(self) -> Iterator[None]:

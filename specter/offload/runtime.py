@@ -68,17 +68,16 @@ class VerifyOptions:
     copy_streams: int = 1
 
 
-def offload_experts(model, slots: int, policy: str = "lru", expert_wise: bool = True,
-                    options: VerifyOptions | None = None) -> OffloadRuntime:
+def offload_experts(model, slots: int, policy: str = "lru", options: VerifyOptions | None = None) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
     slot count or policy builds a new cache over the same store. Every call sets the verification
-    options (`options`, else the defaults with `expert_wise`), so each system decodes with its own.
+    options (the defaults without `options`), so each system decodes with its own.
     """
     if not 1 <= slots <= model.num_experts:
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
-    options = options or VerifyOptions(expert_wise=expert_wise)
+    options = options or VerifyOptions()
     runtime = model.offload
     if runtime is not None and runtime.cache.slots_per_layer == slots and runtime.cache.policy.name == policy:
         _configure(runtime, options)

@@ -29,10 +29,9 @@ class ResidencyManager:
     combined with the routing weights at the end, so order does not change the result.
     """
 
-    def __init__(self, cache: ExpertCache, expert_wise: bool = True, wave: int = 0, ahead_layers: int = 1) -> None:
+    def __init__(self, cache: ExpertCache) -> None:
         self.cache = cache
-        self.expert_wise = expert_wise
-        self.wave, self.ahead_layers = wave, ahead_layers  # experts per wave (0: half the slots); layers ahead
+        self.expert_wise, self.wave, self.ahead_layers = True, 0, 1  # set per system by offload_experts
         self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
         self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens routed to each expert (target)
