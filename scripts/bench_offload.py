@@ -9,8 +9,11 @@ verify window started, over the H2D bandwidth measured on the run's own copies, 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
 import gc
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -58,6 +61,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "verify_ms_per_token": mean("verify_ms") / mean("generated_tokens"),
         "prefetch_precision": mean("prefetch_precision"), "prefetch_recall": mean("prefetch_recall"),
         "io_floor_ms_per_token": floor,
+        **{f"copy_idle_{phase}_ms_per_token": mean(f"copy_idle_{phase}_ms") / mean("generated_tokens")
+           for phase in ("draft", "verify", "between")},
         "tokens_match_resident": sum(r["tokens"] == ref for r, ref in zip(runs, reference)) / len(runs),
     }
 
@@ -70,8 +75,22 @@ def parse_variant(text: str) -> dict:
         sys.exit(f"error: --variants takes key=int[,key=int], got {text!r}")
 
 
+def host_profile(system, prompt: torch.Tensor, new_tokens: int, path: Path, top: int = 30) -> None:
+    """One more generate() under cProfile: the host functions by own time, to `path` (and the top 12 printed)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(system.generate, prompt, new_tokens)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+    lines = [line for line in text.getvalue().splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+    print("\n".join(lines[start: start + 13]))
+
+
 def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
-                plan_only: bool = False, initial_chunk: int | None = None, variants: tuple = ()) -> list[dict]:
+                plan_only: bool = False, initial_chunk: int | None = None, variants: tuple = (),
+                quick: bool = False, profile_to: Path | None = None) -> list[dict]:
     t0 = time.time()
     model = specter.load_model(name, synthetic=True, device="cuda", dtype=torch.float16)
     spec = model.spec
@@ -89,21 +108,26 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
     def config(k_i: int, **options) -> specter.SpecterConfig:
         return specter.SpecterConfig(k=k_i, resident_experts_per_layer=slots, **{**chunk, **options})
 
-    systems = [("target_only_offload", TargetOnly(model, slots))]
+    systems = [] if quick else [("target_only_offload", TargetOnly(model, slots))]
     for k_i in ks:
         suffix = "" if len(ks) == 1 else f"_k{k_i}"
-        systems += [(f"specter_no_prefetch{suffix}", specter.SpecterEngine(model, config(k_i, prefetch=False))),
-                    (f"specter{suffix}", specter.SpecterEngine(model, config(k_i)))]
+        if not quick:
+            systems.append((f"specter_no_prefetch{suffix}", specter.SpecterEngine(model, config(k_i, prefetch=False))))
+        systems.append((f"specter{suffix}", specter.SpecterEngine(model, config(k_i))))
         if plan_only:  # no boundary inside the draft: only the verification plan (the draft's routing) is used
             systems.append((f"specter_plan_only{suffix}", specter.SpecterEngine(model, config(k_i, initial_chunk=k_i))))
         systems += [(f"specter_{v}{suffix}", specter.SpecterEngine(model, config(k_i, **parse_variant(v))))
                      for v in variants]
-    systems.append(("specter_eager_draft", specter.SpecterEngine(model, config(k, cuda_graph=False))))
+    if not quick:
+        systems.append(("specter_eager_draft", specter.SpecterEngine(model, config(k, cuda_graph=False))))
     for label, system in systems:
         t1 = time.time()
         rows.append(summarize(label, run(system, prompts, new_tokens), reference))
         rows[-1]["k"] = system.config.k if hasattr(system, "config") else None
         print(f"   {label}: {time.time() - t1:.0f} s", flush=True)
+    if profile_to is not None:
+        host_profile(dict(systems)["specter" if len(ks) == 1 else f"specter_k{k}"], prompts[0], new_tokens,
+                     profile_to / f"host_profile_{name}.txt")
     for row in rows:
         row.update(model=name, mem=mem, slots=slots, k=row.pop("k", None) or k)
     del model, systems
@@ -124,14 +148,17 @@ def print_table(rows: list[dict]) -> None:
             v = r[c]
             cells.append(f"{v:12.3f}" if isinstance(v, float) else f"{str(v):>12}")
         print(" | ".join(cells))
-    base = next(r for r in rows if r["system"] == "target_only_offload")
-    eager = next(r for r in rows if r["system"] == "specter_eager_draft")
+    base = next((r for r in rows if r["system"] == "target_only_offload"), None)
+    eager = next((r for r in rows if r["system"] == "specter_eager_draft"), None)
     for spec in (r for r in rows if r["system"].startswith("specter") and "no_prefetch" not in r["system"]
                  and r["system"] != "specter_eager_draft"):
-        print(f"{spec['system']}: {base['tpot_ms'] / spec['tpot_ms']:.2f}x TPOT vs target-only (same cache); "
-              f"TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}")
-    print(f"draft step: graph {spec['draft_step_ms']:.2f} ms vs eager {eager['draft_step_ms']:.2f} ms "
-          f"({spec['draft_graph']})")
+        versus = f"{base['tpot_ms'] / spec['tpot_ms']:.2f}x TPOT vs target-only (same cache); " if base else ""
+        idle = ", ".join(f"{p} {spec[f'copy_idle_{p}_ms_per_token']:.2f}" for p in ("draft", "verify", "between"))
+        print(f"{spec['system']}: {versus}TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}; "
+              f"copy stream idle ms/token: {idle}")
+    if eager:
+        print(f"draft step: graph {spec['draft_step_ms']:.2f} ms vs eager {eager['draft_step_ms']:.2f} ms "
+              f"({spec['draft_graph']})")
 
 
 def main() -> None:
@@ -146,6 +173,10 @@ def main() -> None:
                         help="also Specter without draft-time prefetch batches, loading only on the verification plan")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="more Specter configurations, e.g. initial_chunk=1 prefetch_chunk=8")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the resident reference, Specter and the variants (no on-demand, no-prefetch, eager)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="one more Specter generate() under cProfile, written to OUT/host_profile_<model>.txt")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -153,7 +184,8 @@ def main() -> None:
     rows = []
     for name in args.models:
         model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only,
-                                 args.initial_chunk, args.variants)
+                                 args.initial_chunk, args.variants, args.quick,
+                                 args.out if args.host_profile else None)
         print_table(model_rows)
         rows += model_rows
     args.out.mkdir(parents=True, exist_ok=True)

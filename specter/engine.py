@@ -13,6 +13,7 @@ from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT, TARGET
 from specter.offload.draft_graph import capture_draft_step
 from specter.offload.runtime import VerifyOptions, offload_experts
+from specter.offload.trace_overlap import copy_idle_by_phase
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import NoPrefetch, PrefetchPlanner
 from specter.prefetch.quality import PrefetchQuality
@@ -195,6 +196,8 @@ class SpecterEngine:
             stats.update(quality.stats())
             stats["prefetch_trace"] = [t.as_dict() for t in self.planner.traces]
             stats["io_floor_bytes"] = self._io_floor_bytes
+            stats.update(copy_idle_by_phase(self.runtime.streams.copy_spans_ms(metrics.timeline),
+                                            metrics.phase_spans_ms()))
             stats["window_working_sets"] = list(self._window_sets)
         return stats
 

@@ -43,6 +43,11 @@ class DecodeMetrics:
     def end(self, phase: str) -> None:
         self._phases.setdefault(phase, []).append((self._open.pop(phase), self.timeline.mark()))
 
+    def phase_spans_ms(self) -> dict[str, list[tuple[float, float]]]:
+        """phase -> its (begin, end) spans in ms since the first mark (reads the timeline)."""
+        at = lambda mark: self.timeline.elapsed_ms(self.start, mark)  # noqa: E731
+        return {phase: [(at(a), at(b)) for a, b in spans] for phase, spans in self._phases.items()}
+
     def window(self, drafted: int, accepted: int) -> None:
         """One verify pass; a pass with nothing drafted (the last token) counts as an iteration only."""
         self.windows.append((drafted, accepted))

@@ -3,6 +3,7 @@ from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_ca
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -109,6 +110,64 @@ def test_disjoint_calls_equal_full_call_and_expert_wise(case):
     assert not torch.any(full == SENTINEL)
     ref = expert_wise_moe(x, idx, w, lambda e: K.slot_views(store, e, inter), experts, SILU)
     torch.testing.assert_close(combine_rows(full, w, x.dtype), ref, rtol=1e-4, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("case", [(9, 8, 3, 128, 128), (40, 4, 2, 128, 256)])
+def test_waves_sharing_one_alignment_equal_separate_calls(case):
+    """A layer's waves: one align_routing, then calls with disjoint slot maps (the same slot reused)."""
+    tokens, experts, k, hidden, inter = case
+    gen = torch.Generator().manual_seed(tokens + experts)
+    store = make_store(experts, hidden, inter, gen)
+    x, idx = torch.randn(tokens, hidden, generator=gen), make_routing(tokens, experts, k, gen)
+    separate, shared, ws = sentinel_rows(idx, hidden), sentinel_rows(idx, hidden), MoEWorkspace()
+    align = K.align_routing(idx, experts, workspace=ws)
+    perm = torch.randperm(experts, generator=gen).tolist()
+    for subset in (perm[:experts // 2], perm[experts // 2: -1]):  # the last expert is never computed
+        buf, slot_of = fill_slots(store, subset, len(subset), gen)
+        K.slot_moe_rows(x, idx, buf, slot_of, inter, separate)
+        K.slot_moe_rows(x, idx, buf, slot_of, inter, shared, workspace=ws, alignment=align)
+    torch.testing.assert_close(shared, separate, rtol=0, atol=0)
+    last = idx.reshape(-1) == perm[-1]  # [T*k]
+    assert torch.all(shared[last] == SENTINEL) and not torch.any(shared[~last] == SENTINEL)
+    with pytest.raises(ValueError, match="block_m"):
+        K.slot_moe_rows(x, idx, buf, slot_of, inter, shared, alignment=align, config=KernelConfig(block_m=32))
+
+
+@interpreted
+def test_residency_waves_with_the_slot_kernel_equal_the_reference():
+    """The residency manager's Triton path (one alignment per layer, a slot map per wave) on random plans."""
+    import random
+
+    from specter.offload.expert_cache import ExpertCache
+    from specter.offload.host_store import HostExpertStore
+    from specter.offload.streams import DeviceStreams
+    from specter.verify.residency import ResidencyManager
+    from tests.test_residency import layer_module, random_plan
+
+    layers, experts, hidden, inter, top_k = 2, 8, 128, 128, 2
+    gen, rng = torch.Generator().manual_seed(5), random.Random(5)
+    store = HostExpertStore(layers, experts, hidden, inter, torch.float32, torch.device("cpu"))
+    for layer in range(layers):
+        store.put_layer(layer, torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5,
+                        torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5)
+    cache = ExpertCache(store, 3, torch.device("cpu"), DeviceStreams(torch.device("cpu")))
+    manager = ResidencyManager(cache)
+    manager.slot_kernel, manager.wave = True, 2
+    for _ in range(3):
+        x = torch.randn(4, hidden, generator=gen)  # [T, H]
+        routing = [make_routing(4, experts, top_k, gen) for _ in range(layers)]
+        weights = torch.rand(4, top_k, generator=gen).softmax(-1)
+        cache.verify_plan = {layer: random_plan(rng, set(routing[layer].reshape(-1).tolist()))
+                             for layer in range(layers)}
+        for layer in range(layers):
+            module = SimpleNamespace(**{**vars(layer_module(layer)), "num_experts": experts,
+                                        "intermediate_dim": inter})
+            out = manager(module, x, routing[layer], weights)
+            weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+            ref = expert_wise_moe(x, routing[layer], weights, weights_of, experts, SILU)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        manager.take_demand()
 
 
 @interpreted

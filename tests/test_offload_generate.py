@@ -82,6 +82,9 @@ def test_stats_of_an_offloaded_run():
     assert no_plan.generate(prompt(), NEW).stats["misses_planned"] == 0  # the ablation loads on demand only
     for key in ("draft_ms", "verify_ms", "h2d_gbps", "evictions", "prefetch_trace"):
         assert key in s
+    for phase in ("draft", "verify"):  # copies are synchronous on CPU: inside the phases that issue them
+        assert 0 <= s[f"copy_idle_{phase}_ms"] <= s[f"{phase}_ms"] + 1e-6
+    assert s["copy_idle_verify_ms"] < s["verify_ms"] and s["copy_idle_between_ms"] >= 0
 
 
 def test_target_only_with_the_same_cache_and_repeatable_runs():

@@ -72,9 +72,8 @@ def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
     for expert in (0, 1, 2, 3):  # resident at the start
         cache.release(0, cache.acquire(0, expert))
     run_wave, load = manager._run_wave, cache.load
-    manager._run_wave = lambda module, h, idx, wave, rows: (events.append(("run", [e for e, _ in wave])),
-                                                            run_wave(module, h, idx, wave, rows))
-    cache.load = lambda layer, expert: (events.append(("load", expert)), load(layer, expert))[1]
+    manager._run_wave = lambda step, wave: (events.append(("run", [e for e, _ in wave])), run_wave(step, wave))
+    cache.load = lambda layer, expert, slot=None: (events.append(("load", expert)), load(layer, expert, slot))[1]
     routing = torch.tensor([[0, 4], [1, 5], [2, 6], [3, 7]])  # [T, k]: every expert once
     cache.verify_plan = {0: [4, 5, 6, 7]}
     manager(layer_module(0), torch.randn(4, HIDDEN), routing, torch.full((4, 2), 0.5))
@@ -88,7 +87,7 @@ def test_wave_size_and_layers_ahead_are_options(wave, ahead):
     manager.wave, manager.ahead_layers = wave, ahead
     cache, sizes = manager.cache, []
     run_wave = manager._run_wave
-    manager._run_wave = lambda module, h, idx, w, rows: (sizes.append(len(w)), run_wave(module, h, idx, w, rows))
+    manager._run_wave = lambda step, w: (sizes.append(len(w)), run_wave(step, w))
     cache.verify_plan = {layer: [4, 5, 6, 7] for layer in range(LAYERS)}  # nothing of it resident yet
     routing = torch.tensor([[4, 5], [6, 7]])
     manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))

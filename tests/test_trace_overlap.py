@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from specter.offload.trace_overlap import complement, intersect, merge, overlap_report, read_trace
+from specter.offload.trace_overlap import complement, copy_idle_by_phase, intersect, merge, overlap_report, read_trace
 
 MB = 1 << 20
 
@@ -37,6 +37,15 @@ def test_overlap_report_splits_the_span(tmp_path):
     assert report["idle_ms"] == pytest.approx(1.0)  # 8-9 ms: nothing ran
     assert report["expert_copies"] == 2 and report["host_wait_ms"] == pytest.approx(0.7)
     assert report["kernels_while_copy_idle"] == [("slot_moe", 2.0), ("attention", 1.0)]
+
+
+def test_copy_idle_by_phase():
+    copies = [(1, 3), (2, 4), (9, 12)]  # busy 1-4 and 9-12
+    phases = {"draft": [(0, 5), (10, 11)], "verify": [(6, 10), (11, 14)]}
+    stats = copy_idle_by_phase(copies, phases)
+    assert stats["copy_idle_draft_ms"] == pytest.approx(2.0)  # 0-1 and 4-5
+    assert stats["copy_idle_verify_ms"] == pytest.approx(5.0)  # 6-9 and 12-14
+    assert stats["copy_idle_between_ms"] == pytest.approx(1.0)  # 5-6
 
 
 def test_an_empty_trace_is_an_error():

@@ -6,6 +6,7 @@ from collections.abc import Callable
 import torch
 
 from specter.kernels.int4_moe import KernelConfig, MoEWorkspace, _is_silu, _scratch, moe_align_block_size
+from specter.kernels.moe_align import Alignment
 from specter.kernels.reference import expert_mlp
 
 try:
@@ -128,20 +129,35 @@ def _align(top_k_index: torch.Tensor, slot_of_expert: torch.Tensor, block_m: int
     return align, num_padded
 
 
+def align_routing(top_k_index: torch.Tensor, num_experts: int, workspace: MoEWorkspace | None = None,
+                  config: KernelConfig | None = None) -> Alignment:
+    """The alignment of every routed pair, for several slot_moe_rows calls over one routing (a layer's
+    waves): each call then only launches its two GEMMs, and blocks of experts without a slot in that
+    call's map exit at once."""
+    return moe_align_block_size(top_k_index, num_experts, (config or DEFAULT_CONFIG).block_m, workspace)
+
+
 def slot_moe_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: torch.Tensor,
                   slot_of_expert: torch.Tensor, intermediate: int, rows: torch.Tensor, act: Callable | None = None,
-                  workspace: MoEWorkspace | None = None, config: KernelConfig | None = None) -> None:
+                  workspace: MoEWorkspace | None = None, config: KernelConfig | None = None,
+                  alignment: Alignment | None = None) -> None:
     """rows[t*k + j] = expert_mlp(hidden[t]) (fp32, unweighted) for every pair whose expert has a slot >= 0.
 
-    Other rows are untouched. Launches: a few torch ops for the alignment, one gate_up and one down GEMM;
-    no host synchronisation (grid sizes are upper bounds; blocks past the used rows exit at once).
+    Other rows are untouched. Launches: a few torch ops for the alignment (none when `alignment`, from
+    `align_routing` with the same config and routing, is given), one gate_up and one down GEMM; no host
+    synchronisation (grid sizes are upper bounds; blocks past the used rows exit at once).
     """
     cfg = config or DEFAULT_CONFIG
     _check(hidden, top_k_index, slot_buffer, slot_of_expert, intermediate, rows, act, cfg)
     if top_k_index.numel() == 0:
         return
     hidden = hidden.contiguous()  # [T, H]
-    align, num_padded = _align(top_k_index, slot_of_expert, cfg.block_m, workspace)
+    if alignment is None:
+        align, num_padded = _align(top_k_index, slot_of_expert, cfg.block_m, workspace)
+    elif alignment.block_m != cfg.block_m:
+        raise ValueError(f"alignment has block_m={alignment.block_m}, the kernel config {cfg.block_m}")
+    else:
+        align, num_padded = alignment, alignment.num_padded
     inter_buf = _scratch(workspace, "slot_intermediate", (align.sorted_pair_ids.numel(), intermediate),
                          hidden.dtype, hidden.device)  # [max_padded, I]
     num_pairs, h = rows.shape
@@ -161,7 +177,7 @@ def slot_moe_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: 
 def slot_moe_rows_reference(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: torch.Tensor,
                             slot_of_expert: torch.Tensor, intermediate: int, rows: torch.Tensor,
                             act: Callable | None = None, workspace: MoEWorkspace | None = None,
-                            config: KernelConfig | None = None) -> None:
+                            config: KernelConfig | None = None, alignment: Alignment | None = None) -> None:
     """Plain torch, one GEMM pair per expert with a slot (host syncs); same contract as slot_moe_rows."""
     act = act or torch.nn.functional.silu
     k, flat = top_k_index.shape[1], top_k_index.reshape(-1)  # [T*k]

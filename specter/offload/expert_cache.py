@@ -109,6 +109,11 @@ class ExpertCache:
     def has_free_slot(self, layer: int) -> bool:
         return self.policy.victim(layer, self.layers[layer], self.predicted) is not None
 
+    def load_if_free(self, layer: int, expert: int) -> int | None:
+        """`load` into the policy's victim slot, or None (nothing started) if every slot is protected."""
+        slot = self.policy.victim(layer, self.layers[layer], self.predicted)
+        return None if slot is None else self.load(layer, expert, slot)
+
     def acquire(self, layer: int, expert: int) -> int:
         """Slot holding `expert` (loaded on a miss), protected until `release`; counts a hit or a miss."""
         slots = self.layers[layer]
@@ -133,10 +138,11 @@ class ExpertCache:
             slots.protected[slot] += 1
         return resident
 
-    def load(self, layer: int, expert: int) -> int:
-        """Load a non-resident expert on the verify path; its slot is protected until `release`.
-        Lookups are counted afterwards by `count_lookups`, once the router's choice is known."""
-        slot = self._load(layer, expert, DEMAND)
+    def load(self, layer: int, expert: int, slot: int | None = None) -> int:
+        """Load a non-resident expert on the verify path (into `slot`, else the policy's victim); its slot
+        is protected until `release`. Lookups are counted afterwards by `count_lookups`, once the
+        router's choice is known."""
+        slot = self._load(layer, expert, DEMAND, slot)
         slots = self.layers[layer]
         slots.protected[slot] += 1
         slots.lru.move_to_end(slot)
@@ -199,9 +205,14 @@ class ExpertCache:
 
     def release(self, layer: int, slot: int) -> None:
         """The kernels reading `slot` are enqueued: remember when they end, unprotect the slot."""
-        slots = self.layers[layer]
-        slots.last_use[slot] = self.streams.record()
-        slots.protected[slot] -= 1
+        self.release_all(layer, [slot])
+
+    def release_all(self, layer: int, slots_read: list[int]) -> None:
+        """`release` for the slots one launch read: one last-use event for all of them."""
+        slots, last_use = self.layers[layer], self.streams.record()
+        for slot in slots_read:
+            slots.last_use[slot] = last_use
+            slots.protected[slot] -= 1
 
     def ready_event(self, layer: int, slot: int):
         return self.layers[layer].ready[slot]

@@ -17,6 +17,8 @@ class DeviceStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # an indexed device keeps current_stream() off torch's slow
+            self.device = torch.device("cuda", torch.cuda.current_device())  # device lookup (per call)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
@@ -28,8 +30,12 @@ class DeviceStreams:
         if not self.cuda:
             return None
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self.compute_stream())
         return event
+
+    def compute_stream(self):
+        """The stream decoding runs on (the current one)."""
+        return torch.cuda.current_stream(self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, demand: bool = False, previous=None):
         """dst <- src on the copy stream once `after` (the slot's last use) has passed; returns the ready event.
@@ -57,19 +63,29 @@ class DeviceStreams:
                     stream.wait_event(event)  # the slot's last copy may be on the other stream
         elif after is not None:
             stream.wait_event(after)
-        with torch.cuda.stream(stream):
+        compute = self.compute_stream()
+        torch.cuda.set_stream(stream)  # not `with torch.cuda.stream(...)`: it looks the device up twice per copy
+        try:
             start.record(stream)
             dst.copy_(src, non_blocking=True)
             ready.record(stream)
+        finally:
+            torch.cuda.set_stream(compute)
         self._copies.append((start, ready, nbytes))
         return ready
 
     def wait(self, ready) -> None:
         """Make the compute stream wait for a copy (no host sync); the stall is timed with two events."""
-        if ready is None or ready.query():
+        self.wait_all([ready])
+
+    def wait_all(self, events: list) -> None:
+        """`wait` for several copies (one launch's experts): one timed stall for those not finished yet."""
+        pending = [event for event in events if event is not None and not event.query()]
+        if not pending:
             return
-        before = self.record()
-        torch.cuda.current_stream().wait_event(ready)
+        before, stream = self.record(), self.compute_stream()
+        for event in pending:
+            stream.wait_event(event)
         self._stalls.append((before, self.record()))
 
     def read_later(self, tensor: torch.Tensor) -> HostRead:
@@ -80,7 +96,7 @@ class DeviceStreams:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(self.compute_stream())
         return HostRead(host, done)
 
     @staticmethod
@@ -91,7 +107,7 @@ class DeviceStreams:
     def synchronize(self) -> None:
         """Host waits for compute and copies (only between requests, never on the decode path)."""
         if self.cuda:
-            torch.cuda.current_stream().synchronize()
+            self.compute_stream().synchronize()
             self.copy_stream.synchronize()
             self.waiting_stream.synchronize()
 
@@ -110,6 +126,11 @@ class DeviceStreams:
             "h2d_gbps": nbytes / copy_ms / 1e6 if copy_ms > 0 else float("nan"),
             "wait_ms": sum(_elapsed_ms(a, b) for a, b in self._stalls),
         }
+
+    def copy_spans_ms(self, timeline) -> list[tuple[float, float]]:
+        """(start, end) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it waits)."""
+        self.synchronize()
+        return [(timeline.offset_ms(a, wait=False), timeline.offset_ms(b, wait=False)) for a, b, _ in self._copies]
 
     def measured_bandwidth(self) -> float | None:
         """Bytes per ms over the copies that have finished (non-blocking), or None if none has."""

@@ -27,11 +27,18 @@ class Timeline:
         return len(self._marks) - 1
 
     def elapsed_ms(self, start: int, end: int) -> float:
-        a, b = self._marks[start], self._marks[end]
+        return self.offset_ms(self._marks[end], self._marks[start])
+
+    def offset_ms(self, stamp, origin=None, wait: bool = True) -> float:
+        """ms from `origin` (default: the first mark) to `stamp`, a CUDA event or perf_counter value taken
+        the same way as the marks (e.g. a copy's events on another stream); wait=False: the caller has
+        synchronised already."""
+        origin = self._marks[0] if origin is None else origin
         if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
+            if wait:
+                stamp.synchronize()
+            return origin.elapsed_time(stamp)
+        return (stamp - origin) * 1e3
 
 
 def to_host(tensor: torch.Tensor) -> list:

@@ -56,6 +56,20 @@ def complement(intervals: list[tuple[float, float]], start: float, end: float) -
     return [(s, e) for s, e in gaps if e > s]
 
 
+def copy_idle_by_phase(copies: list[tuple[float, float]], phases: dict[str, list[tuple[float, float]]]) -> dict:
+    """copy_idle_<phase>_ms: time of each phase (its spans) during which no expert copy ran, and
+    copy_idle_between_ms: the same between the first and last phase span outside every phase."""
+    busy, stats = merge(copies), {}
+    for name, spans in phases.items():
+        spans = merge(spans)
+        stats[f"copy_idle_{name}_ms"] = length(spans) - length(intersect(spans, busy))
+    every = merge([span for spans in phases.values() for span in spans])
+    if every:
+        gaps = complement(every, every[0][0], every[-1][1])
+        stats["copy_idle_between_ms"] = length(gaps) - length(intersect(gaps, busy))
+    return stats
+
+
 def _interval(event: dict) -> tuple[float, float]:
     return float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
 

@@ -3,14 +3,31 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import NamedTuple
 
 import torch
 
 from specter.kernels.reference import combine_rows, expert_mlp
-from specter.kernels.slot_moe import TRITON_AVAILABLE, MoEWorkspace, slot_moe_rows, slot_moe_rows_reference
+from specter.kernels.slot_moe import (
+    TRITON_AVAILABLE,
+    MoEWorkspace,
+    align_routing,
+    slot_moe_rows,
+    slot_moe_rows_reference,
+)
 from specter.offload.expert_cache import ExpertCache
 
 VERIFY_WORKSPACE = MoEWorkspace()  # intermediate buffers of the slot kernel, shared by all layers
+
+
+class LayerPass(NamedTuple):
+    """One verify layer's inputs and outputs, shared by its waves."""
+
+    module: object  # the HybridExperts layer
+    hidden: torch.Tensor  # [T, H]
+    top_k_index: torch.Tensor  # [T, k]
+    rows: torch.Tensor  # [T*k, H] fp32 outputs
+    alignment: object  # the routing's expert alignment, computed once for all waves (None: torch reference)
 
 
 class ResidencyManager:
@@ -32,6 +49,7 @@ class ResidencyManager:
     def __init__(self, cache: ExpertCache) -> None:
         self.cache = cache
         self.expert_wise, self.wave, self.ahead_layers = True, 0, 1  # set per system by offload_experts
+        self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
         self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
         self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens routed to each expert (target)
@@ -70,11 +88,14 @@ class ResidencyManager:
     def _expert_wise(self, module, hidden, top_k_index, rows) -> None:
         layer, cache = module.moe_layer, self.cache
         routing = cache.streams.read_later(top_k_index)  # [T, k], in flight while the waves are enqueued
+        fused = self.slot_kernel if self.slot_kernel is not None else hidden.is_cuda and TRITON_AVAILABLE
+        alignment = align_routing(top_k_index, module.num_experts, VERIFY_WORKSPACE) if fused else None
+        step = LayerPass(module, hidden, top_k_index, rows, alignment)
         prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead (wave 0 waits for them)
         planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]  # most routed first
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
-        self._stream(module, hidden, top_k_index, ready_first, deque(planned), rows)
+        self._stream(step, ready_first, deque(planned))
         waited = time.perf_counter()
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
         self.host_wait_ms += (time.perf_counter() - waited) * 1e3
@@ -82,7 +103,7 @@ class ResidencyManager:
         cache.count_lookups(layer, routed, hits_possible, set(planned) | ahead, prefetched)
         computed = resident.keys() | set(planned)
         unplanned = deque(e for e in routed if e not in computed)
-        self._stream(module, hidden, top_k_index, [], unplanned, rows)
+        self._stream(step, [], unplanned)
         for ahead in range(layer + 1, layer + 1 + self.ahead_layers):
             self._load_ahead(ahead)
 
@@ -99,43 +120,45 @@ class ResidencyManager:
                     return
                 self.loaded_ahead.setdefault(layer, set()).add(expert)
 
-    def _stream(self, module, hidden, top_k_index, current: list, pending: deque, rows) -> None:
+    def _stream(self, step: LayerPass, current: list, pending: deque) -> None:
         """Run `current` (resident (expert, slot) pairs) and load and run `pending` experts, a wave at a time.
 
         A wave is at most half the layer's slots (or `wave` experts), so the slots of one wave take new
         copies while the next wave computes: the copy stream is not held up by the compute of a whole
         layer's worth of slots.
         """
-        layer, size = module.moe_layer, self.wave or max(1, self.cache.slots_per_layer // 2)
+        layer, size = step.module.moe_layer, self.wave or max(1, self.cache.slots_per_layer // 2)
         queue = deque(current)
         queue.extend(self._load_wave(layer, pending))
         while queue:
             wave = [queue.popleft() for _ in range(min(size, len(queue)))]
-            self._run_wave(module, hidden, top_k_index, wave, rows)
+            self._run_wave(step, wave)
             queue.extend(self._load_wave(layer, pending))  # into the slots that wave released
 
     def _load_wave(self, layer: int, pending: deque) -> list[tuple[int, int]]:
         """Start copies of missing experts into every slot that is free of protection; (expert, slot) pairs."""
         wave = []
-        while pending and self.cache.has_free_slot(layer):
-            expert = pending.popleft()
-            wave.append((expert, self.cache.load(layer, expert)))
+        while pending:
+            slot = self.cache.load_if_free(layer, pending[0])
+            if slot is None:
+                break
+            wave.append((pending.popleft(), slot))
         return wave
 
-    def _run_wave(self, module, hidden, top_k_index, wave: list[tuple[int, int]], rows) -> None:
+    def _run_wave(self, step: LayerPass, wave: list[tuple[int, int]]) -> None:
         """All experts of a wave in one kernel call over the layer's slot buffer, then release their slots."""
         if not wave:
             return
-        layer, cache = module.moe_layer, self.cache
-        for _, slot in wave:
-            cache.streams.wait(cache.ready_event(layer, slot))
-        slot_of_expert = torch.full((module.num_experts,), -1, dtype=torch.long, pin_memory=hidden.is_cuda)
-        slot_of_expert[[e for e, _ in wave]] = torch.tensor([s for _, s in wave])  # pinned: an async copy
-        run = slot_moe_rows if hidden.is_cuda and TRITON_AVAILABLE else slot_moe_rows_reference
-        run(hidden, top_k_index, cache.buffers[layer], slot_of_expert.to(hidden.device, non_blocking=True),
-            module.intermediate_dim, rows, module.act_fn, workspace=VERIFY_WORKSPACE)
-        for _, slot in wave:
-            cache.release(layer, slot)
+        module, layer, cache, hidden = step.module, step.module.moe_layer, self.cache, step.hidden
+        cache.streams.wait_all([cache.ready_event(layer, slot) for _, slot in wave])
+        slot_map = [-1] * module.num_experts  # [E] expert -> slot in this wave
+        for expert, slot in wave:
+            slot_map[expert] = slot
+        slot_of_expert = torch.tensor(slot_map, dtype=torch.long, pin_memory=hidden.is_cuda)  # pinned: async copy
+        run = slot_moe_rows if step.alignment is not None else slot_moe_rows_reference
+        run(hidden, step.top_k_index, cache.buffers[layer], slot_of_expert.to(hidden.device, non_blocking=True),
+            module.intermediate_dim, step.rows, module.act_fn, workspace=VERIFY_WORKSPACE, alignment=step.alignment)
+        cache.release_all(layer, [slot for _, slot in wave])
 
     def _token_wise(self, module, hidden: torch.Tensor, routing: list[list[int]], rows) -> None:
         """Ablation: conventional chronological verification, one GEMV per (token, slot), loading on demand."""
