@@ -124,7 +124,7 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
         t1 = time.time()
         rows.append(summarize(label, run(system, prompts, new_tokens), reference))
         rows[-1]["k"] = system.config.k if hasattr(system, "config") else None
-        print(f"   {label}: {time.time() - t1:.0f} s", flush=True)
+        print(f"   {label}: {time.time() - t1:.0f} s; {row_line(rows[-1])}", flush=True)  # kept if a call is cut
     if profile_to is not None:
         host_profile(dict(systems)["specter" if len(ks) == 1 else f"specter_k{k}"], prompts[0], new_tokens,
                      profile_to / f"host_profile_{name}.txt")
@@ -134,6 +134,16 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def row_line(row: dict) -> str:
+    """TPOT, and for Specter the I/O floor ratio and where the copy stream idled, on one line."""
+    line = f"TPOT {row['tpot_ms']:.2f} ms"
+    if row.get("io_floor_ms_per_token"):
+        idle = ", ".join(f"{p} {row[f'copy_idle_{p}_ms_per_token']:.2f}" for p in ("draft", "verify", "between"))
+        line += (f", TPOT / I/O floor {row['tpot_ms'] / row['io_floor_ms_per_token']:.2f}, "
+                 f"H2D {row['h2d_mb_per_token']:.0f} MB/token, copy idle ms/token: {idle}")
+    return line
 
 
 def print_table(rows: list[dict]) -> None:
