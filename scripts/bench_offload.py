@@ -53,6 +53,9 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "planned_miss_share": mean("misses_planned") / mean("misses") if runs[0].get("misses") else float("nan"),
         "wasted_loads": mean("wasted_loads"), "loads_ahead": mean("loads_ahead"),
         "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
+        "decode_h2d_mb_per_token": mean("decode_h2d_bytes") / mean("generated_tokens") / 1e6,
+        "bytes_over_floor": (sum(r["decode_h2d_bytes"] for r in runs) / sum(r["io_floor_bytes"] for r in runs)
+                             if "io_floor_bytes" in runs[0] else None),
         "h2d_gbps": mean("h2d_gbps"), "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "moe_host_ms_per_token": (mean("verify_host_ms") - mean("verify_host_wait_ms")) / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
@@ -141,8 +144,9 @@ def row_line(row: dict) -> str:
     line = f"TPOT {row['tpot_ms']:.2f} ms"
     if row.get("io_floor_ms_per_token"):
         idle = ", ".join(f"{p} {row[f'copy_idle_{p}_ms_per_token']:.2f}" for p in ("draft", "verify", "between"))
-        line += (f", TPOT / I/O floor {row['tpot_ms'] / row['io_floor_ms_per_token']:.2f}, "
-                 f"H2D {row['h2d_mb_per_token']:.0f} MB/token, copy idle ms/token: {idle}")
+        line += (f", TPOT / I/O floor {row['tpot_ms'] / row['io_floor_ms_per_token']:.2f}, decoding's "
+                 f"H2D {row['decode_h2d_mb_per_token']:.0f} MB/token ({row['bytes_over_floor']:.2f}x the floor's "
+                 f"bytes), copy idle ms/token: {idle}")
     return line
 
 

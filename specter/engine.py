@@ -71,7 +71,7 @@ class SpecterEngine:
         self._capture_draft_graph(state)
         state.commit([first], kv_keep=state.kv_length)
         metrics.commit(1)
-        self._take_target_routing()  # the prefill's routing is not a verify window
+        self._end_prefill()
         while len(state.generated) < max_new_tokens and not _ended(state.generated, eos_token_id):
             k = min(self.config.k, max_new_tokens - len(state.generated) - 1)
             new_tokens, accepted = self.speculate(state, k, metrics)
@@ -159,7 +159,7 @@ class SpecterEngine:
             self.runtime.reset()
         self.planner.reset()
         self.elb.clear()
-        self._io_floor_bytes = 0
+        self._io_floor_bytes = self._prefill_h2d_bytes = 0
         self._window_sets: list[float] = []  # per verify window: distinct experts per layer (mean over layers)
         self.generator = seeded_generator(self.config, self.model.device)
 
@@ -168,6 +168,7 @@ class SpecterEngine:
         if self.runtime is not None:
             cache = self.runtime.cache
             self._resident_at_start = [cache.resident_experts(layer) for layer in range(len(cache.layers))]
+            cache.begin_window()
 
     def _count_io_floor(self, routed: dict) -> None:
         """Bytes the window could not avoid moving: routed experts that were not resident at its start."""
@@ -184,6 +185,11 @@ class SpecterEngine:
             quality.add(self.planner.traces[-1].planned, routed)
         self._count_io_floor(routed)
 
+    def _end_prefill(self) -> None:
+        """The prefill's routing is not a verify window; its copies are counted apart from decoding's."""
+        self._take_target_routing()
+        self._prefill_h2d_bytes = self.runtime.streams.copied_bytes() if self.runtime is not None else 0
+
     def _take_target_routing(self) -> dict:
         return self.runtime.residency.take_demand() if self.runtime is not None else {}
 
@@ -193,6 +199,8 @@ class SpecterEngine:
         if self.runtime is not None:
             stats.update(self.runtime.stats())
             stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(stats["generated_tokens"], 1)
+            stats["prefill_h2d_bytes"] = self._prefill_h2d_bytes
+            stats["decode_h2d_bytes"] = stats["h2d_bytes"] - self._prefill_h2d_bytes  # compare with io_floor_bytes
             stats.update(quality.stats())
             stats["prefetch_trace"] = [t.as_dict() for t in self.planner.traces]
             stats["io_floor_bytes"] = self._io_floor_bytes

@@ -21,8 +21,22 @@ def test_summary_rows_line_and_table(capsys):
     engine = specter.SpecterEngine(model, specter.SpecterConfig(k=3, resident_experts_per_layer=2))
     row = bench.summarize("specter", bench.run(engine, prompts, 12), reference)
     assert row["tokens_match_resident"] == 1.0 and row["io_floor_ms_per_token"] > 0
+    assert row["bytes_over_floor"] >= 1 and 0 < row["decode_h2d_mb_per_token"] < row["h2d_mb_per_token"]
     assert all(row[f"copy_idle_{p}_ms_per_token"] >= 0 for p in ("draft", "verify", "between"))
     assert "TPOT / I/O floor" in bench.row_line(row) and "copy idle ms/token" in bench.row_line(row)
     bench.print_table([dict(row, k=3)])  # no target-only or eager rows: the ratios they anchor are left out
     out = capsys.readouterr().out
     assert "specter: TPOT / I/O floor" in out and "draft step" not in out
+
+
+def test_byte_simulation_counts_on_a_tiny_model():
+    path = SCRIPT.parent / "sim_offload_bytes.py"
+    sim_spec = importlib.util.spec_from_file_location("sim_offload_bytes", path)
+    sim = importlib.util.module_from_spec(sim_spec)
+    sim_spec.loader.exec_module(sim)
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, cuda_graph=False)
+    row = sim.measure(model, config, [prompt(), prompt("def f(x):")], 16)
+    assert row["bytes_over_floor"] >= 1 and row["decode_loads_per_token"] >= row["floor_loads_per_token"] > 0
+    extra = sum(row[f"reload_{cause}_per_token"] for cause in ("prefetch", "ahead", "verify"))
+    assert extra + row["wasted_per_token"] <= row["decode_loads_per_token"] - row["floor_loads_per_token"] + 1e-9

@@ -43,7 +43,8 @@ def test_exact_slot_count_and_lru_order():
     use(cache, 0, 2)
     assert cache.resident_experts(0) == {0, 2}
     assert cache.counters == {"hits": 1, "hits_prefetched": 0, "misses": 3, "misses_planned": 0, "wasted_loads": 0,
-                              "loads_ahead": 0, "prefetch_loads": 0, "evictions": 1}
+                              "loads_ahead": 0, "prefetch_loads": 0, "evictions": 1, "reloads_after_prefetch": 0,
+                              "reloads_after_ahead": 0, "reloads_after_verify": 0}
     assert cache.resident_experts(1) == set()
 
 
@@ -122,3 +123,17 @@ def test_reset_empties_every_slot():
     use(cache, 0, 1)
     cache.reset()
     assert cache.resident_experts(0) == set() and cache.counters["misses"] == 0
+
+
+def test_reloads_are_counted_by_what_evicted_the_expert_in_the_same_window():
+    cache = make_cache(1)
+    use(cache, 0, 0)
+    cache.begin_window()
+    assert cache.prefetch(0, 1)  # evicts expert 0 (nothing predicted or planned keeps it)
+    use(cache, 0, 0)  # verification needs 0 again: a reload caused by the prefetch
+    assert cache.load_ahead(1, 2, frozenset()) and cache.load_ahead(1, 3, frozenset())  # 3 evicts 2
+    use(cache, 1, 2)
+    assert (cache.counters["reloads_after_prefetch"], cache.counters["reloads_after_ahead"]) == (1, 1)
+    cache.begin_window()  # an eviction of an earlier window is not a reload of this one
+    use(cache, 0, 1)
+    assert cache.counters["reloads_after_verify"] == 0 and cache.counters["evictions"] == 5

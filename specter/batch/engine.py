@@ -35,7 +35,7 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
     state.commit_first(first)
     for m in metrics:
         m.commit(1)
-    engine._take_target_routing()  # the prefills' routing is not a verify window
+    engine._end_prefill()
     quality = PrefetchQuality()
     active = active_requests(state, max_new_tokens, eos_token_id)
     while any(active):

@@ -10,6 +10,7 @@ from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
 
 PREFETCH, DEMAND = "prefetch", "demand"
+CAUSES = (PREFETCH, "ahead", "verify")  # what evicted an expert that the same window loads again
 
 
 @dataclass
@@ -94,7 +95,13 @@ class ExpertCache:
             slots.clear()
         self.predicted, self.window_plan, self.verify_plan = {}, {}, {}
         self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "misses_planned": 0, "wasted_loads": 0,
-                         "loads_ahead": 0, "prefetch_loads": 0, "evictions": 0}
+                         "loads_ahead": 0, "prefetch_loads": 0, "evictions": 0,
+                         **{f"reloads_after_{cause}": 0 for cause in CAUSES}}
+        self.begin_window()
+
+    def begin_window(self) -> None:
+        """A decode window starts: forget which experts its evictions removed (for the reload counters)."""
+        self.evicted_by: dict[tuple[int, int], str] = {}  # (layer, expert) -> cause of its eviction
 
     @property
     def device_bytes(self) -> int:
@@ -151,7 +158,7 @@ class ExpertCache:
     def load_ahead(self, layer: int, expert: int, keep: frozenset) -> bool:
         """Start loading `expert` into an unprotected slot whose expert is not in `keep` (a layer's
         verification plan); False if there is none. Not protected: nothing runs on the layer before it."""
-        return self._load_unless_kept(layer, expert, DEMAND, keep, "loads_ahead")
+        return self._load_unless_kept(layer, expert, DEMAND, keep, "loads_ahead", cause="ahead")
 
     def count_lookups(self, layer: int, routed: list[int], resident: dict[int, int], planned: set,
                       prefetched: set) -> None:
@@ -187,12 +194,13 @@ class ExpertCache:
         keep = frozenset(self.window_plan.get(layer, ())) | frozenset(self.predicted.get(layer, ()))
         return self._load_unless_kept(layer, expert, PREFETCH, keep, "prefetch_loads")
 
-    def _load_unless_kept(self, layer: int, expert: int, reason: str, keep: frozenset, counter: str) -> bool:
+    def _load_unless_kept(self, layer: int, expert: int, reason: str, keep: frozenset, counter: str,
+                          cause: str = PREFETCH) -> bool:
         slots = self.layers[layer]
         slot = self.policy.victim(layer, slots, self.predicted, keep)
         if slot is None:
             return False
-        self._load(layer, expert, reason, slot)
+        self._load(layer, expert, reason, slot, cause)
         slots.lru.move_to_end(slot)
         self.counters[counter] += 1
         return True
@@ -221,7 +229,7 @@ class ExpertCache:
         """(gate_up [2I, H], down [H, I]) views of a slot."""
         return self.store.split(self.buffers[layer][slot])
 
-    def _load(self, layer: int, expert: int, reason: str, slot: int | None = None) -> int:
+    def _load(self, layer: int, expert: int, reason: str, slot: int | None = None, cause: str = "verify") -> int:
         slots = self.layers[layer]
         slot = self.policy.victim(layer, slots, self.predicted) if slot is None else slot
         if slot is None:
@@ -230,6 +238,10 @@ class ExpertCache:
         if old is not None:
             del slots.slot_of[old]
             self.counters["evictions"] += 1
+            self.evicted_by[layer, old] = cause
+        earlier = self.evicted_by.pop((layer, expert), None)
+        if earlier is not None:
+            self.counters[f"reloads_after_{earlier}"] += 1
         slots.expert_of[slot], slots.slot_of[expert], slots.loaded_by[slot] = expert, slot, reason
         slots.ready[slot] = self.streams.copy(self.buffers[layer][slot], self.store.expert(layer, expert),
                                               after=slots.last_use[slot], demand=reason == DEMAND,

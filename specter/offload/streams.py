@@ -127,6 +127,10 @@ class DeviceStreams:
             "wait_ms": sum(_elapsed_ms(a, b) for a, b in self._stalls),
         }
 
+    def copied_bytes(self) -> int:
+        """Bytes of the copies issued since `reset_stats` (host bookkeeping, no sync)."""
+        return sum(n for _, _, n in self._copies)
+
     def copy_spans_ms(self, timeline) -> list[tuple[float, float]]:
         """(start, end) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it waits)."""
         self.synchronize()

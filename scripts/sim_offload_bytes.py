@@ -1,0 +1,102 @@
+"""Bytes over the I/O floor of Specter's expert-cache policies, on CPU (no timing: copies are counted).
+
+    python scripts/sim_offload_bytes.py --moe-layers 4 --k 8 --slots 16 --new-tokens 64 \
+        --variants initial_chunk=1 load_ahead_layers=0
+
+A synthetic DeepSeek-V2-Lite at full width (64 routed experts top-6, hidden 2048) with only
+`--moe-layers` MoE layers and a 4096-token vocabulary, on the CPU. The planner's cost model is frozen
+at the H200's measured numbers (draft step 6.44 ms for 26 MoE layers, scaled to the layers built;
+54.2 GB/s), so its batch sizes and boundaries are the GPU's, and the bytes a policy moves per token
+can be compared with the floor (experts the target routed to that were not resident when their
+window started) without a GPU.
+TPOT is not simulated: the copy stream's idle time needs the GPU (scripts/bench_offload.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import specter  # noqa: E402
+from scripts.bench_offload import PROMPTS, parse_variant  # noqa: E402
+from specter.models.hybrid import hybridize  # noqa: E402
+from specter.models.loading import build_synthetic  # noqa: E402
+from specter.models.registry import get_spec  # noqa: E402
+from specter.models.tokenizer import ByteTokenizer  # noqa: E402
+from specter.offload.expert_cache import CAUSES  # noqa: E402
+from specter.prefetch.planner import CostModel  # noqa: E402
+
+H200_DRAFT_MS_PER_MOE_LAYER = 6.44 / 26  # dsv2's replayed draft step, per MoE layer (session 5)
+H200_BYTES_PER_MS = 54.2e6
+SIM_VOCAB = 4096  # the byte-level prompts need 257 ids; 102400 would only make embeddings and lm_head bigger
+
+
+def build(moe_layers: int, dtype: torch.dtype, seed: int = 0) -> specter.HybridMoEModel:
+    """dsv2 at full width with `moe_layers` MoE layers (plus its first dense layer) on the CPU."""
+    base = get_spec("dsv2")
+    config = {**base.hf_config, "num_hidden_layers": moe_layers + 1, "vocab_size": SIM_VOCAB}
+    spec = dataclasses.replace(base, hf_config=config)
+    tokenizer = ByteTokenizer(spec.hf_config["vocab_size"])
+    return hybridize(build_synthetic(spec, torch.device("cpu"), dtype, seed), spec, tokenizer)
+
+
+def measure(model, config: specter.SpecterConfig, prompts: list[torch.Tensor], new_tokens: int) -> dict:
+    engine = specter.SpecterEngine(model, config)
+    if hasattr(engine.planner, "cost"):
+        draft_ms = H200_DRAFT_MS_PER_MOE_LAYER * model.num_moe_layers
+        engine.planner.cost = CostModel(draft_ms_per_token=draft_ms, h2d_bytes_per_ms=H200_BYTES_PER_MS,
+                                        frozen=True)
+    runs = [engine.generate(ids, new_tokens).stats for ids in prompts]
+    total = lambda key: sum(r[key] for r in runs)  # noqa: E731
+    expert, tokens = model.offload.store.expert_bytes, total("generated_tokens")
+    per_token = lambda key: total(key) / tokens  # noqa: E731
+    return {
+        "decode_loads_per_token": total("decode_h2d_bytes") / expert / tokens,
+        "floor_loads_per_token": total("io_floor_bytes") / expert / tokens,
+        "bytes_over_floor": total("decode_h2d_bytes") / total("io_floor_bytes"),
+        "wasted_per_token": per_token("wasted_loads"), "prefetch_per_token": per_token("prefetch_loads"),
+        "ahead_per_token": per_token("loads_ahead"),
+        **{f"reload_{cause}_per_token": per_token(f"reloads_after_{cause}") for cause in CAUSES},
+        "hit_rate": total("hits") / (total("hits") + total("misses")),
+        "mean_accepted": sum(r["mean_accepted_length"] for r in runs) / len(runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--moe-layers", type=int, default=4)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                        help="bfloat16 halves the memory (4 MoE layers need about 12 GB in float32)")
+    parser.add_argument("--variants", nargs="*", default=[], help="SpecterConfig options, e.g. initial_chunk=1")
+    args = parser.parse_args()
+    if not 1 <= args.moe_layers <= 26:
+        sys.exit("error: --moe-layers must be in 1..26 (DeepSeek-V2-Lite has 26)")
+    t0 = time.time()
+    model = build(args.moe_layers, getattr(torch, args.dtype))
+    prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:args.prompts]]
+    print(f"built in {time.time() - t0:.0f} s; {args.moe_layers} MoE layers, K={args.k}, {args.slots} slots, "
+          f"{args.prompts} prompts x {args.new_tokens} tokens", flush=True)
+    cols = None
+    for label, options in [("specter", {})] + [(v, parse_variant(v)) for v in args.variants]:
+        t1 = time.time()
+        config = specter.SpecterConfig(k=args.k, resident_experts_per_layer=args.slots, cuda_graph=False, **options)
+        row = measure(model, config, prompts, args.new_tokens)
+        if cols is None:
+            cols = list(row)
+            print(f"{'system':>24} | " + " | ".join(f"{c.replace('_per_token', '')[:9]:>9}" for c in cols))
+        print(f"{label:>24} | " + " | ".join(f"{row[c]:9.3f}" for c in cols) + f"   ({time.time() - t1:.0f} s)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
