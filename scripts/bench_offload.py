@@ -71,11 +71,12 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
 
 
 def parse_variant(text: str) -> dict:
-    """'initial_chunk=1,prefetch_chunk=4' -> SpecterConfig options (integers)."""
+    """'initial_chunk=1,eviction=popularity' -> SpecterConfig options (integers where they parse as one)."""
     try:
-        return {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
+        pairs = [item.split("=") for item in text.split(",")]
+        return {key: int(value) if value.lstrip("-").isdigit() else value for key, value in pairs}
     except ValueError:
-        sys.exit(f"error: --variants takes key=int[,key=int], got {text!r}")
+        sys.exit(f"error: --variants takes key=value[,key=value], got {text!r}")
 
 
 def host_profile(system, prompt: torch.Tensor, new_tokens: int, path: Path, top: int = 30) -> None:

@@ -40,7 +40,8 @@ SIM_VOCAB = 4096  # the byte-level prompts need 257 ids; 102400 would only make 
 def build(moe_layers: int, dtype: torch.dtype, seed: int = 0) -> specter.HybridMoEModel:
     """dsv2 at full width with `moe_layers` MoE layers (plus its first dense layer) on the CPU."""
     base = get_spec("dsv2")
-    config = {**base.hf_config, "num_hidden_layers": moe_layers + 1, "vocab_size": SIM_VOCAB}
+    config = {**base.hf_config, "num_hidden_layers": moe_layers + 1, "vocab_size": SIM_VOCAB,
+              "bos_token_id": SIM_VOCAB - 2, "eos_token_id": SIM_VOCAB - 1}
     spec = dataclasses.replace(base, hf_config=config)
     tokenizer = ByteTokenizer(spec.hf_config["vocab_size"])
     return hybridize(build_synthetic(spec, torch.device("cpu"), dtype, seed), spec, tokenizer)

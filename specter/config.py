@@ -17,8 +17,9 @@ class SpecterConfig:
     seed: seed of the sampling generator.
     prefetch: draft-time lookahead prefetch of FP experts (ablation: off = on-demand loading only).
     expert_wise: expert-wise verification (ablation: off = token-wise, chronological GEMVs).
-    eviction: expert-cache victim policy, "lru" (the paper's) or "lookahead" (never evicts an expert
-      the current draft window predicts while another slot will do).
+    eviction: expert-cache victim policy, "lru" (the paper's), "lookahead" (never evicts an expert
+      the current draft window predicts while another slot will do) or "popularity" (evicts the expert
+      the target has routed the fewest tokens to in this request, LRU among ties).
     initial_chunk: draft tokens of the Cold Start chunk (observed before the first prefetch).
     prefetch_chunk: draft steps whose compute one prefetch batch's transfer may span (1: a batch per
       draft token, each issued as late as it can be).
@@ -59,8 +60,8 @@ class SpecterConfig:
             raise SpecterError(f"resident_experts_per_layer must be an integer >= 1 or None, got {slots!r}")
         if self.temperature < 0:
             raise SpecterError(f"temperature must be >= 0, got {self.temperature}")
-        if self.eviction not in ("lru", "lookahead"):
-            raise SpecterError(f"eviction must be 'lru' or 'lookahead', got {self.eviction!r}")
+        if self.eviction not in ("lru", "lookahead", "popularity"):
+            raise SpecterError(f"eviction must be 'lru', 'lookahead' or 'popularity', got {self.eviction!r}")
         for name in ("initial_chunk", "prefetch_chunk"):
             if getattr(self, name) < 1:
                 raise SpecterError(f"{name} must be >= 1, got {getattr(self, name)}")

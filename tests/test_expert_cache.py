@@ -71,8 +71,9 @@ def test_protected_slot_is_never_evicted():
 
 def test_randomized_plans_and_demands_never_evict_protected():
     rng = random.Random(0)
-    for policy in ("lru", "lookahead"):
+    for policy in ("lru", "lookahead", "popularity"):
         cache = make_cache(3, policy)
+        cache.routing_counts.update({layer: [rng.randrange(9) for _ in range(EXPERTS)] for layer in range(LAYERS)})
         held: list[tuple[int, int, int]] = []  # (layer, expert, slot)
         for _ in range(2000):
             layer, expert = rng.randrange(LAYERS), rng.randrange(EXPERTS)
@@ -105,6 +106,19 @@ def test_lookahead_policy_keeps_predicted_experts():
         cache.predicted = {0: {0}}  # the draft predicts expert 0, which is least recently used
         use(cache, 0, 2)
         assert (cache.slot_of(0, 0) is not None) == survivor, policy
+
+
+def test_popularity_policy_evicts_the_least_routed_expert_lru_among_ties():
+    cache = make_cache(3, "popularity")
+    for expert in (0, 1, 2):
+        use(cache, 0, expert)
+    cache.routing_counts[0] = [5, 1, 1, 0, 0, 0]  # experts 1 and 2 tie; 1 is less recently used
+    use(cache, 0, 3)
+    assert cache.resident_experts(0) == {0, 2, 3}
+    use(cache, 0, 4)  # expert 3 (count 0) goes now, though 0 is the least recently used
+    assert cache.resident_experts(0) == {0, 2, 4}
+    cache.reset()  # a new request: no counts, so plain LRU, and the policy still sees the cache's counts
+    assert cache.routing_counts == {} and cache.policy.routing_counts is cache.routing_counts
 
 
 def test_prefetch_then_hit_is_counted_as_prefetched():

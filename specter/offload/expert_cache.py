@@ -44,6 +44,9 @@ class LRUPolicy:
 
     name = "lru"
 
+    def __init__(self, routing_counts: dict | None = None) -> None:
+        self.routing_counts = routing_counts if routing_counts is not None else {}  # layer -> [E] (target)
+
     def victim(self, layer: int, slots: LayerSlots, predicted: dict, keep: frozenset = frozenset()) -> int | None:
         candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
         empty = [s for s in candidates if slots.expert_of[s] is None]
@@ -60,7 +63,22 @@ class LookaheadPolicy(LRUPolicy):
         return preferred if preferred is not None else super().victim(layer, slots, predicted, keep)
 
 
-POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy}
+class PopularityPolicy(LRUPolicy):
+    """Evict the unprotected slot whose expert the target has routed the fewest tokens to in this request
+    (least recently used among ties): popular experts stay resident across windows, and a prefetch
+    replaces the resident expert least likely to be needed."""
+
+    name = "popularity"
+
+    def victim(self, layer: int, slots: LayerSlots, predicted: dict, keep: frozenset = frozenset()) -> int | None:
+        candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
+        counts = self.routing_counts.get(layer)
+        if counts is None or not candidates or any(slots.expert_of[s] is None for s in candidates):
+            return super().victim(layer, slots, predicted, keep)  # empty slots first, as LRU
+        return min(candidates, key=lambda s: counts[slots.expert_of[s]])  # the first (LRU) among ties
+
+
+POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy, "popularity": PopularityPolicy}
 
 
 class NoFreeSlot(RuntimeError):
@@ -80,7 +98,8 @@ class ExpertCache:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; known: {', '.join(POLICIES)}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
-        self.policy = POLICIES[policy]()
+        self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens the target routed to each expert
+        self.policy = POLICIES[policy](self.routing_counts)
         self.buffers = [torch.empty(slots_per_layer, store.numel, dtype=store.dtype, device=device)
                         for _ in range(store.num_layers)]
         self.layers = [LayerSlots(slots_per_layer) for _ in range(store.num_layers)]
@@ -94,6 +113,7 @@ class ExpertCache:
         for slots in self.layers:
             slots.clear()
         self.predicted, self.window_plan, self.verify_plan = {}, {}, {}
+        self.routing_counts.clear()  # (the policy holds this dict)
         self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "misses_planned": 0, "wasted_loads": 0,
                          "loads_ahead": 0, "prefetch_loads": 0, "evictions": 0,
                          **{f"reloads_after_{cause}": 0 for cause in CAUSES}}

@@ -52,9 +52,14 @@ class ResidencyManager:
         self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
         self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
-        self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens routed to each expert (target)
         self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
         self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
+
+    @property
+    def routing_counts(self) -> dict[int, list[int]]:
+        """layer -> tokens the target routed to each expert since the cache's reset (the cache keeps them:
+        the popularity eviction policy reads them)."""
+        return self.cache.routing_counts
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -172,7 +177,7 @@ class ResidencyManager:
             self.cache.release(layer, slot)
 
     def reset(self) -> None:
-        self.demand, self.working_sets, self.routing_counts, self.loaded_ahead = {}, [], {}, {}
+        self.demand, self.working_sets, self.loaded_ahead = {}, [], {}
         self.host_ms = self.host_wait_ms = 0.0
 
     def take_demand(self) -> dict[int, set]:
