@@ -4,9 +4,11 @@
 #   (default: tests profile overlap kernel offload, in this order)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
-# kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) with the
-# verification knobs one at a time and together (verify_wave=16 is the whole-layer waves of before), qwen K=8. report: the harness with every system on MODELS x MEMS
-# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, resuming the result
+# kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
+# variants (popularity eviction, initial_chunk=1, no loads ahead, whole-layer waves), each row printed
+# as measured, with a host profile, then qwen K=8 in full. report: the harness with every system on MODELS x MEMS
+# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPORT_ARGS (more Hydra
+# overrides, e.g. k=8), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
@@ -36,10 +38,9 @@ for step in "${STEPS[@]}"; do
              rc=${PIPESTATUS[0]} ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
-    offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --variants verify_wave=16 \
-               verify_wave=4 load_ahead_layers=2 copy_streams=2 initial_chunk=1 \
-               initial_chunk=1,verify_wave=4,load_ahead_layers=2,copy_streams=2 2>&1 \
-               | grep -v -i -E "warn|max_cache_len" | tail -16; rc=${PIPESTATUS[0]}
+    offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
+               --variants eviction=popularity initial_chunk=1 load_ahead_layers=0 verify_wave=16 2>&1 \
+               | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
              python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" 2>&1 \
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     report) rc=0
@@ -48,7 +49,7 @@ for step in "${STEPS[@]}"; do
               python3 -m experiments.main model="$model" mem="$mem" model.weights=synthetic dataset=all \
                 'systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]' \
                 num_prompts="${NUM_PROMPTS:-1}" repeats=1 token_caps.transformers=8 results_dir="$dir" \
-                resume=$resume > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
+                resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
             done; done
             tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
