@@ -81,6 +81,21 @@ def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
                       ("run", [4, 5]), ("run", [6, 7])]
 
 
+def test_a_wave_never_mixes_loaded_experts_with_ones_loaded_ahead():
+    manager, _ = make_runtime(slots=4, seed=0)
+    manager.wave, cache, runs = 4, manager.cache, []
+    for expert in (0, 1):  # resident before the layer
+        cache.release(0, cache.acquire(0, expert))
+    cache.verify_plan = {0: [0, 1, 2, 3, 4]}
+    manager._load_ahead(0)  # as the previous layer does: 2 and 3 go into the free slots, still in flight
+    assert manager.loaded_ahead == {0: {2, 3}}
+    run_wave = manager._run_wave
+    manager._run_wave = lambda step, wave: (runs.append(sorted(e for e, _ in wave)), run_wave(step, wave))
+    routing = torch.tensor([[0, 4], [1, 2], [3, 4]])  # [T, k]
+    manager(layer_module(0), torch.randn(3, HIDDEN), routing, torch.full((3, 2), 0.5))
+    assert runs == [[0, 1], [2, 3, 4]]  # not [0, 1, 2, 3]: the loaded pair does not wait for the copies
+
+
 @pytest.mark.parametrize("wave, ahead", [(1, 0), (3, 2)])
 def test_wave_size_and_layers_ahead_are_options(wave, ahead):
     manager, _ = make_runtime(slots=4, seed=1)

@@ -97,10 +97,10 @@ class ResidencyManager:
         alignment = align_routing(top_k_index, module.num_experts, VERIFY_WORKSPACE) if fused else None
         step = LayerPass(module, hidden, top_k_index, rows, alignment)
         prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
-        resident = cache.protect_resident(layer)  # includes the experts loaded ahead (wave 0 waits for them)
+        resident = cache.protect_resident(layer)  # includes the experts loaded ahead, maybe still in flight
         planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]  # most routed first
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
-        self._stream(step, ready_first, deque(planned))
+        self._stream(step, ready_first, deque(planned), ready=len(resident.keys() - ahead))
         waited = time.perf_counter()
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
         self.host_wait_ms += (time.perf_counter() - waited) * 1e3
@@ -125,18 +125,22 @@ class ResidencyManager:
                     return
                 self.loaded_ahead.setdefault(layer, set()).add(expert)
 
-    def _stream(self, step: LayerPass, current: list, pending: deque) -> None:
-        """Run `current` (resident (expert, slot) pairs) and load and run `pending` experts, a wave at a time.
+    def _stream(self, step: LayerPass, current: list, pending: deque, ready: int = 0) -> None:
+        """Run `current` (resident (expert, slot) pairs, the first `ready` of them loaded before this layer)
+        and load and run `pending` experts, a wave at a time.
 
         A wave is at most half the layer's slots (or `wave` experts), so the slots of one wave take new
         copies while the next wave computes: the copy stream is not held up by the compute of a whole
-        layer's worth of slots.
+        layer's worth of slots. A wave never mixes loaded experts with ones still in flight: the copies
+        into the slots it frees would otherwise wait for the slowest of its copies.
         """
         layer, size = step.module.moe_layer, self.wave or max(1, self.cache.slots_per_layer // 2)
         queue = deque(current)
         queue.extend(self._load_wave(layer, pending))
         while queue:
-            wave = [queue.popleft() for _ in range(min(size, len(queue)))]
+            count = min(size, len(queue), ready or size)
+            ready = max(0, ready - count)
+            wave = [queue.popleft() for _ in range(count)]
             self._run_wave(step, wave)
             queue.extend(self._load_wave(layer, pending))  # into the slots that wave released
 
