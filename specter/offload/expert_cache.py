@@ -133,9 +133,6 @@ class ExpertCache:
     def resident_experts(self, layer: int) -> set:
         return set(self.layers[layer].slot_of)
 
-    def has_free_slot(self, layer: int) -> bool:
-        return self.policy.victim(layer, self.layers[layer], self.predicted) is not None
-
     def load_if_free(self, layer: int, expert: int) -> int | None:
         """`load` into the policy's victim slot, or None (nothing started) if every slot is protected."""
         slot = self.policy.victim(layer, self.layers[layer], self.predicted)
