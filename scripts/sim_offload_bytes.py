@@ -90,7 +90,8 @@ def main() -> None:
     cols = None
     for label, options in [("specter", {})] + [(v, parse_variant(v)) for v in args.variants]:
         t1 = time.time()
-        config = specter.SpecterConfig(k=args.k, resident_experts_per_layer=args.slots, cuda_graph=False, **options)
+        config = specter.SpecterConfig(**{"k": args.k, "resident_experts_per_layer": args.slots,
+                                          "cuda_graph": False, **options})  # a variant may set k
         row = measure(model, config, prompts, args.new_tokens)
         if cols is None:
             cols = list(row)
