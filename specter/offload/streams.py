@@ -118,7 +118,7 @@ class DeviceStreams:
         """H2D bytes, copy busy time, achieved GB/s and compute stall time (the host waits here, once)."""
         self.synchronize()
         copy_ms = sum(_elapsed_ms(a, b) for a, b, _ in self._copies)
-        nbytes = sum(n for _, _, n in self._copies)
+        nbytes = self.copied_bytes()
         return {
             "h2d_bytes": nbytes,
             "h2d_copies": len(self._copies),
