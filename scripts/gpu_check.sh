@@ -7,8 +7,8 @@
 # kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
 # variants (popularity eviction, initial_chunk 1 and 3, no loads ahead), each row printed
 # as measured, with a host profile, then qwen K=8 in full. report: the harness with every system on MODELS x MEMS
-# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPORT_ARGS (more Hydra
-# overrides, e.g. k=8), resuming the result
+# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, TF_CAP (Transformers' tokens
+# per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
@@ -48,7 +48,7 @@ for step in "${STEPS[@]}"; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
               python3 -m experiments.main model="$model" mem="$mem" model.weights=synthetic dataset=all \
                 'systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]' \
-                num_prompts="${NUM_PROMPTS:-1}" repeats=1 token_caps.transformers=8 results_dir="$dir" \
+                num_prompts="${NUM_PROMPTS:-1}" repeats=1 token_caps.transformers="${TF_CAP:-8}" results_dir="$dir" \
                 resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
             done; done
