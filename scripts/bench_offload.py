@@ -66,6 +66,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "io_floor_ms_per_token": floor,
         **{f"copy_idle_{phase}_ms_per_token": mean(f"copy_idle_{phase}_ms") / mean("generated_tokens")
            for phase in ("draft", "verify", "between")},
+        **{f"copy_gap_{cause}_ms_per_token": mean(f"copy_gap_{cause}_ms") / mean("generated_tokens")
+           for cause in ("slot", "host")},
         "tokens_match_resident": sum(r["tokens"] == ref for r, ref in zip(runs, reference)) / len(runs),
     }
 
@@ -148,6 +150,9 @@ def row_line(row: dict) -> str:
         line += (f", TPOT / I/O floor {row['tpot_ms'] / row['io_floor_ms_per_token']:.2f}, decoding's "
                  f"H2D {row['decode_h2d_mb_per_token']:.0f} MB/token ({row['bytes_over_floor']:.2f}x the floor's "
                  f"bytes), copy idle ms/token: {idle}")
+        if row.get("copy_gap_slot_ms_per_token") == row.get("copy_gap_slot_ms_per_token"):  # not NaN (GPU)
+            line += (f"; waiting for a slot's reader {row['copy_gap_slot_ms_per_token']:.2f}, "
+                     f"for the host {row['copy_gap_host_ms_per_token']:.2f}")
     return line
 
 

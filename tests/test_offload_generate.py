@@ -88,6 +88,9 @@ def test_stats_of_an_offloaded_run():
     for phase in ("draft", "verify"):  # copies are synchronous on CPU: inside the phases that issue them
         assert 0 <= s[f"copy_idle_{phase}_ms"] <= s[f"{phase}_ms"] + 1e-6
     assert s["copy_idle_verify_ms"] < s["verify_ms"] and s["copy_idle_between_ms"] >= 0
+    assert s["copy_gap_slot_ms"] == 0  # synchronous CPU copies never wait for a slot's reader
+    assert s["copy_gap_host_ms"] == pytest.approx(s["copy_idle_draft_ms"] + s["copy_idle_verify_ms"]
+                                                  + s["copy_idle_between_ms"], rel=1e-6, abs=1e-6)
 
 
 def test_target_only_with_the_same_cache_and_repeatable_runs():

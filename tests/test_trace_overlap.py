@@ -3,7 +3,15 @@ import json
 
 import pytest
 
-from specter.offload.trace_overlap import complement, copy_idle_by_phase, intersect, merge, overlap_report, read_trace
+from specter.offload.trace_overlap import (
+    complement,
+    copy_gaps_by_cause,
+    copy_idle_by_phase,
+    intersect,
+    merge,
+    overlap_report,
+    read_trace,
+)
 
 MB = 1 << 20
 
@@ -46,6 +54,22 @@ def test_copy_idle_by_phase():
     assert stats["copy_idle_draft_ms"] == pytest.approx(2.0)  # 0-1 and 4-5
     assert stats["copy_idle_verify_ms"] == pytest.approx(5.0)  # 6-9 and 12-14
     assert stats["copy_idle_between_ms"] == pytest.approx(1.0)  # 5-6
+
+
+def test_copy_gaps_split_into_slot_waits_and_late_issue():
+    # gaps: 0-1 (first copy had no slot to wait for), 4-9 (next copy's slot freed at 7), 12-14 (nothing left)
+    copies = [(1, 3, None), (2, 4, 1.5), (9, 12, 7.0)]
+    stats = copy_gaps_by_cause(copies, 0, 14)
+    assert stats["copy_gap_slot_ms"] == pytest.approx(3.0)  # 4-7
+    assert stats["copy_gap_host_ms"] == pytest.approx(1.0 + 2.0 + 2.0)  # 0-1, 7-9, 12-14
+    late = copy_gaps_by_cause([(1, 2, None), (5, 6, 9.0)], 0, 6)  # a slot freed after its copy started:
+    assert late["copy_gap_slot_ms"] == pytest.approx(3.0)  # (an event on another clock) caps at the gap
+
+
+def test_copy_idle_by_phase_with_slot_free_times_splits_gaps():
+    stats = copy_idle_by_phase([(1, 3, None), (6, 8, 5.0)], {"draft": [(0, 4)], "verify": [(4, 9)]})
+    assert stats["copy_gap_slot_ms"] == pytest.approx(2.0)  # 3-5
+    assert stats["copy_gap_host_ms"] == pytest.approx(3.0)  # 0-1, 5-6, 8-9
 
 
 def test_an_empty_trace_is_an_error():

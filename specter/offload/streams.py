@@ -2,8 +2,19 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
+
+
+class CopyRecord(NamedTuple):
+    """One expert copy: its start and end (events on CUDA, perf_counter on CPU), bytes, and the event it
+    waited for (the slot's last use; None if none)."""
+
+    start: object
+    end: object
+    nbytes: int
+    after: object = None
 
 
 class DeviceStreams:
@@ -23,7 +34,7 @@ class DeviceStreams:
         self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
-        self._copies: list[tuple] = []  # (start, end, bytes) per copy
+        self._copies: list[CopyRecord] = []
 
     def record(self):
         """An event on the compute stream marking work enqueued so far (None on CPU)."""
@@ -50,7 +61,7 @@ class DeviceStreams:
             start = time.perf_counter()
             dst.copy_(src)
             span = (start, time.perf_counter())
-            self._copies.append((*span, nbytes))
+            self._copies.append(CopyRecord(*span, nbytes))
             if demand:
                 self._stalls.append(span)
             return None
@@ -71,7 +82,7 @@ class DeviceStreams:
             ready.record(stream)
         finally:
             torch.cuda.set_stream(compute)
-        self._copies.append((start, ready, nbytes))
+        self._copies.append(CopyRecord(start, ready, nbytes, after))
         return ready
 
     def wait(self, ready) -> None:
@@ -117,7 +128,7 @@ class DeviceStreams:
     def stats(self) -> dict:
         """H2D bytes, copy busy time, achieved GB/s and compute stall time (the host waits here, once)."""
         self.synchronize()
-        copy_ms = sum(_elapsed_ms(a, b) for a, b, _ in self._copies)
+        copy_ms = sum(_elapsed_ms(c.start, c.end) for c in self._copies)
         nbytes = self.copied_bytes()
         return {
             "h2d_bytes": nbytes,
@@ -129,18 +140,20 @@ class DeviceStreams:
 
     def copied_bytes(self) -> int:
         """Bytes of the copies issued since `reset_stats` (host bookkeeping, no sync)."""
-        return sum(n for _, _, n in self._copies)
+        return sum(c.nbytes for c in self._copies)
 
-    def copy_spans_ms(self, timeline) -> list[tuple[float, float]]:
-        """(start, end) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it waits)."""
+    def copy_spans_ms(self, timeline) -> list[tuple[float, float, float | None]]:
+        """(start, end, slot free) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it
+        waits); slot free: when the event the copy waited for (its slot's last use) passed, None if none."""
         self.synchronize()
-        return [(timeline.offset_ms(a, wait=False), timeline.offset_ms(b, wait=False)) for a, b, _ in self._copies]
+        at = lambda event: None if event is None else timeline.offset_ms(event, wait=False)  # noqa: E731
+        return [(at(c.start), at(c.end), at(c.after) if self.cuda else None) for c in self._copies]
 
     def measured_bandwidth(self) -> float | None:
         """Bytes per ms over the copies that have finished (non-blocking), or None if none has."""
-        done = [(a, b, n) for a, b, n in self._copies[-64:] if self.is_ready(b if self.cuda else None)]
-        ms = sum(_elapsed_ms(a, b) for a, b, _ in done)
-        return sum(n for _, _, n in done) / ms if ms > 0 else None
+        done = [c for c in self._copies[-64:] if self.is_ready(c.end if self.cuda else None)]
+        ms = sum(_elapsed_ms(c.start, c.end) for c in done)
+        return sum(c.nbytes for c in done) / ms if ms > 0 else None
 
 
 class HostRead:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections import defaultdict
 from pathlib import Path
 
@@ -56,10 +57,11 @@ def complement(intervals: list[tuple[float, float]], start: float, end: float) -
     return [(s, e) for s, e in gaps if e > s]
 
 
-def copy_idle_by_phase(copies: list[tuple[float, float]], phases: dict[str, list[tuple[float, float]]]) -> dict:
+def copy_idle_by_phase(copies: list[tuple], phases: dict[str, list[tuple[float, float]]]) -> dict:
     """copy_idle_<phase>_ms: time of each phase (its spans) during which no expert copy ran, and
-    copy_idle_between_ms: the same between the first and last phase span outside every phase."""
-    busy, stats = merge(copies), {}
+    copy_idle_between_ms: the same between the first and last phase span outside every phase.
+    copies: (start, end, ...) in ms; with their slot-free times, also `copy_gaps_by_cause`."""
+    busy, stats = merge([(c[0], c[1]) for c in copies]), {}
     for name, spans in phases.items():
         spans = merge(spans)
         stats[f"copy_idle_{name}_ms"] = length(spans) - length(intersect(spans, busy))
@@ -67,7 +69,25 @@ def copy_idle_by_phase(copies: list[tuple[float, float]], phases: dict[str, list
     if every:
         gaps = complement(every, every[0][0], every[-1][1])
         stats["copy_idle_between_ms"] = length(gaps) - length(intersect(gaps, busy))
+        if copies and len(copies[0]) > 2:
+            stats.update(copy_gaps_by_cause(copies, every[0][0], every[-1][1]))
     return stats
+
+
+def copy_gaps_by_cause(copies: list[tuple[float, float, float | None]], start: float, end: float) -> dict:
+    """Why the copy stream idled inside [start, end): each gap ends when the next copy starts; the part of
+    the gap before that copy's slot was free (its last reader had not finished) is copy_gap_slot_ms, the
+    rest (the copy had not been issued yet, or nothing was left to copy) copy_gap_host_ms.
+    copies: (start, end, slot free or None) in ms."""
+    ordered = sorted(copies)
+    starts = [c[0] for c in ordered]
+    slot = host = 0.0
+    for g0, g1 in complement(merge([(c[0], c[1]) for c in ordered]), start, end):
+        i = bisect_left(starts, g1)
+        free = ordered[i][2] if i < len(ordered) and ordered[i][0] == g1 else None
+        waited = 0.0 if free is None else min(max(free - g0, 0.0), g1 - g0)
+        slot, host = slot + waited, host + (g1 - g0 - waited)
+    return {"copy_gap_slot_ms": slot, "copy_gap_host_ms": host}
 
 
 def _interval(event: dict) -> tuple[float, float]:
