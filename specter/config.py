@@ -44,7 +44,7 @@ class SpecterConfig:
     prefetch: bool = True
     expert_wise: bool = True
     eviction: str = "lru"
-    initial_chunk: int = 2
+    initial_chunk: int = 1
     prefetch_chunk: int = 1
     verify_wave: int = 0
     load_ahead_layers: int = 1

@@ -66,7 +66,7 @@ class PrefetchPlanner:
     """
 
     def __init__(self, analyzer: PatternAnalyzer, cache: ExpertCache, cost: CostModel | None = None,
-                 initial_chunk: int = 2, clock=time.perf_counter, prefetch_chunk: int = 1) -> None:
+                 initial_chunk: int = 1, clock=time.perf_counter, prefetch_chunk: int = 1) -> None:
         self.analyzer, self.cache, self.cost = analyzer, cache, cost or CostModel()
         self.initial_chunk, self.prefetch_chunk, self.clock = initial_chunk, prefetch_chunk, clock
         self.traces: list[WindowTrace] = []
