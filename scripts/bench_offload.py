@@ -32,9 +32,12 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold 
            "Robert Boulter is an English film , television and theatre actor ."]
 
 
+WARMUP_TOKENS = 40  # several full windows at K <= 16: the first measured system pays no first-use costs
+
+
 def run(system, prompts, new_tokens: int) -> list[dict]:
     """One warm-up, then each prompt once; stats plus the tokens."""
-    system.generate(prompts[0], 8)
+    system.generate(prompts[0], min(new_tokens, WARMUP_TOKENS))
     results = [system.generate(ids, new_tokens) for ids in prompts]
     return [dict(r.stats, tokens=r.token_ids) for r in results]
 

@@ -47,7 +47,7 @@ class SpecterConfig:
     initial_chunk: int = 1
     prefetch_chunk: int = 1
     verify_wave: int = 0
-    load_ahead_layers: int = 1
+    load_ahead_layers: int = 2
     copy_streams: int = 1
     cuda_graph: bool = True
     max_cache_len: int = 256

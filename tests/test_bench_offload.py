@@ -39,4 +39,6 @@ def test_byte_simulation_counts_on_a_tiny_model():
     row = sim.measure(model, config, [prompt(), prompt("def f(x):")], 16)
     assert row["bytes_over_floor"] >= 1 and row["decode_loads_per_token"] >= row["floor_loads_per_token"] > 0
     extra = sum(row[f"reload_{cause}_per_token"] for cause in ("prefetch", "ahead", "verify"))
-    assert extra + row["wasted_per_token"] <= row["decode_loads_per_token"] - row["floor_loads_per_token"] + 1e-9
+    excess = row["decode_loads_per_token"] - row["floor_loads_per_token"]
+    # each reload and each load of an expert the target did not route is over the floor (one load can be both)
+    assert extra <= excess + 1e-9 and row["wasted_per_token"] <= excess + 1e-9

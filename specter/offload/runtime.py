@@ -64,7 +64,7 @@ class VerifyOptions:
 
     expert_wise: bool = True
     wave: int = 0
-    ahead_layers: int = 1
+    ahead_layers: int = 2
     copy_streams: int = 1
 
 

@@ -48,7 +48,7 @@ class ResidencyManager:
 
     def __init__(self, cache: ExpertCache) -> None:
         self.cache = cache
-        self.expert_wise, self.wave, self.ahead_layers = True, 0, 1  # set per system by offload_experts
+        self.expert_wise, self.wave, self.ahead_layers = True, 0, 2  # set per system by offload_experts
         self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
         self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
