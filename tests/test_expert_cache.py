@@ -78,24 +78,24 @@ def test_randomized_plans_and_demands_never_evict_protected():
         for _ in range(2000):
             layer, expert = rng.randrange(LAYERS), rng.randrange(EXPERTS)
             op = rng.random()
-            protected = {(l, s): e for l, e, s in held}
+            protected = {(lay, s): e for lay, e, s in held}
             if op < 0.3:
                 cache.predicted = {layer: set(rng.sample(range(EXPERTS), 2))}
                 cache.prefetch(layer, expert)
-            elif op < 0.7 and sum(1 for l, _, _ in held if l == layer) < 3:
+            elif op < 0.7 and sum(1 for lay, _, _ in held if lay == layer) < 3:
                 try:
                     slot = cache.acquire(layer, expert)
                 except NoFreeSlot:
                     continue
                 held.append((layer, expert, slot))
             elif held:
-                l, e, s = held.pop(rng.randrange(len(held)))
-                cache.release(l, s)
-            for (l, s), e in protected.items():
-                assert cache.layers[l].expert_of[s] == e, "a protected slot was overwritten"
-            for l, e, s in held:
-                want = cache.store.split(cache.store.expert(l, e))[0]
-                assert torch.equal(cache.weights(l, s)[0], want)
+                lay, e, s = held.pop(rng.randrange(len(held)))
+                cache.release(lay, s)
+            for (lay, s), e in protected.items():
+                assert cache.layers[lay].expert_of[s] == e, "a protected slot was overwritten"
+            for lay, e, s in held:
+                want = cache.store.split(cache.store.expert(lay, e))[0]
+                assert torch.equal(cache.weights(lay, s)[0], want)
 
 
 def test_lookahead_policy_keeps_predicted_experts():
@@ -119,6 +119,20 @@ def test_popularity_policy_evicts_the_least_routed_expert_lru_among_ties():
     assert cache.resident_experts(0) == {0, 2, 4}
     cache.reset()  # a new request: no counts, so plain LRU, and the policy still sees the cache's counts
     assert cache.routing_counts == {} and cache.policy.routing_counts is cache.routing_counts
+
+
+def test_popularity_streams_into_the_earliest_released_slots_least_routed_first():
+    cache = make_cache(4, "popularity")
+    for expert in (0, 1, 2, 3):
+        use(cache, 0, expert)
+    cache.routing_counts[0] = [5, 2, 1, 0, 0, 0]
+    slot = cache.protect_resident(0)  # expert -> slot, all protected, as a verify layer starts
+    cache.release_all(0, [slot[0], slot[1]])  # the first wave
+    cache.release_all(0, [slot[2], slot[3]])  # the second, still computing when the copies are issued
+    assert cache.policy.victim(0, cache.layers[0], {}) == slot[3]  # a prefetch or load ahead: the least routed
+    assert cache.load_if_free(0, 4) == slot[1]  # streamed: least routed of the first wave, not expert 3
+    assert cache.load_if_free(0, 5) == slot[0]  # the first wave's last slot before any of the second's
+    assert cache.load_if_free(0, 1) == slot[3]  # then the second wave's, least routed first
 
 
 def test_prefetch_then_hit_is_counted_as_prefetched():

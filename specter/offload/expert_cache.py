@@ -25,6 +25,7 @@ class LayerSlots:
     ready: list = field(default_factory=list)  # slot -> copy-finished event
     last_use: list = field(default_factory=list)  # slot -> event after the last kernel reading it
     loaded_by: list = field(default_factory=list)  # slot -> PREFETCH / DEMAND / None
+    released: list = field(default_factory=list)  # slot -> sequence number of its last release (launch)
 
     def __post_init__(self) -> None:
         self.clear()
@@ -34,6 +35,7 @@ class LayerSlots:
         self.expert_of, self.slot_of = [None] * n, {}
         self.lru = OrderedDict((s, None) for s in range(n))
         self.protected, self.ready, self.last_use, self.loaded_by = [0] * n, [None] * n, [None] * n, [None] * n
+        self.released = [0] * n
 
     def unprotected_lru(self) -> list[int]:
         return [s for s in self.lru if not self.protected[s]]
@@ -51,6 +53,10 @@ class LRUPolicy:
         candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
         empty = [s for s in candidates if slots.expert_of[s] is None]
         return (empty or candidates or [None])[0]
+
+    def stream_victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
+        """The victim of a copy streamed into a verify layer's released slots (`victim` unless overridden)."""
+        return self.victim(layer, slots, predicted)
 
 
 class LookaheadPolicy(LRUPolicy):
@@ -76,6 +82,16 @@ class PopularityPolicy(LRUPolicy):
         if counts is None or not candidates or any(slots.expert_of[s] is None for s in candidates):
             return super().victim(layer, slots, predicted, keep)  # empty slots first, as LRU
         return min(candidates, key=lambda s: counts[slots.expert_of[s]])  # the first (LRU) among ties
+
+    def stream_victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
+        """Least routed among the slots released earliest (one launch's slots share a last-use event): a
+        copy into a slot the latest wave still reads would hold up the copy stream until that wave ends."""
+        candidates = slots.unprotected_lru()
+        if not candidates or any(slots.expert_of[s] is None for s in candidates):
+            return LRUPolicy.victim(self, layer, slots, predicted)  # nothing to choose, or empty slots first
+        earliest = min(slots.released[s] for s in candidates)
+        first = frozenset(s for s in candidates if slots.released[s] != earliest)
+        return self.victim(layer, slots, predicted, keep=frozenset(slots.expert_of[s] for s in first))
 
 
 POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy, "popularity": PopularityPolicy}
@@ -114,6 +130,7 @@ class ExpertCache:
             slots.clear()
         self.predicted, self.window_plan, self.verify_plan = {}, {}, {}
         self.routing_counts.clear()  # (the policy holds this dict)
+        self.releases = 0  # launches whose slots were released (LayerSlots.released numbers them)
         self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "misses_planned": 0, "wasted_loads": 0,
                          "loads_ahead": 0, "prefetch_loads": 0, "evictions": 0,
                          **{f"reloads_after_{cause}": 0 for cause in CAUSES}}
@@ -135,7 +152,7 @@ class ExpertCache:
 
     def load_if_free(self, layer: int, expert: int) -> int | None:
         """`load` into the policy's victim slot, or None (nothing started) if every slot is protected."""
-        slot = self.policy.victim(layer, self.layers[layer], self.predicted)
+        slot = self.policy.stream_victim(layer, self.layers[layer], self.predicted)
         return None if slot is None else self.load(layer, expert, slot)
 
     def acquire(self, layer: int, expert: int) -> int:
@@ -235,8 +252,9 @@ class ExpertCache:
     def release_all(self, layer: int, slots_read: list[int]) -> None:
         """`release` for the slots one launch read: one last-use event for all of them."""
         slots, last_use = self.layers[layer], self.streams.record()
+        self.releases += 1
         for slot in slots_read:
-            slots.last_use[slot] = last_use
+            slots.last_use[slot], slots.released[slot] = last_use, self.releases
             slots.protected[slot] -= 1
 
     def ready_event(self, layer: int, slot: int):
