@@ -90,8 +90,8 @@ class PopularityPolicy(LRUPolicy):
         if not candidates or any(slots.expert_of[s] is None for s in candidates):
             return LRUPolicy.victim(self, layer, slots, predicted)  # nothing to choose, or empty slots first
         earliest = min(slots.released[s] for s in candidates)
-        first = frozenset(s for s in candidates if slots.released[s] != earliest)
-        return self.victim(layer, slots, predicted, keep=frozenset(slots.expert_of[s] for s in first))
+        released_later = frozenset(slots.expert_of[s] for s in candidates if slots.released[s] != earliest)
+        return self.victim(layer, slots, predicted, keep=released_later)
 
 
 POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy, "popularity": PopularityPolicy}
