@@ -5,7 +5,7 @@
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
 # kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
-# variants (the old defaults initial_chunk=2 and load_ahead_layers=1, 3 layers ahead, popularity
+# variants (the old defaults initial_chunk=2,load_ahead_layers=1; 1 and 3 layers ahead; popularity
 # eviction), each row printed as measured, with a host profile, then qwen K=8 in full.
 # report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, TF_CAP (Transformers' tokens
@@ -40,7 +40,7 @@ for step in "${STEPS[@]}"; do
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
-               --variants initial_chunk=2 load_ahead_layers=1 load_ahead_layers=3 eviction=popularity 2>&1 \
+               --variants initial_chunk=2,load_ahead_layers=1 load_ahead_layers=1 load_ahead_layers=3 eviction=popularity 2>&1 \
                | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
              python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" 2>&1 \
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
