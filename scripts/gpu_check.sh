@@ -40,7 +40,8 @@ for step in "${STEPS[@]}"; do
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
-               --variants initial_chunk=2,load_ahead_layers=1 load_ahead_layers=1 load_ahead_layers=3 eviction=popularity 2>&1 \
+               --variants initial_chunk=2,load_ahead_layers=1 load_ahead_layers=1 load_ahead_layers=3 \
+               eviction=popularity 2>&1 \
                | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
              python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" 2>&1 \
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
