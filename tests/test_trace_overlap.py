@@ -66,6 +66,11 @@ def test_copy_gaps_split_into_slot_waits_and_late_issue():
     assert late["copy_gap_slot_ms"] == pytest.approx(3.0)  # (an event on another clock) caps at the gap
 
 
+def test_copies_with_equal_spans_are_ordered_without_comparing_their_slot_free_times():
+    stats = copy_gaps_by_cause([(1, 2, None), (1, 2, 0.5), (4, 5, 3.0)], 0, 6)  # None against 0.5: no TypeError
+    assert stats == {"copy_gap_slot_ms": pytest.approx(1.0), "copy_gap_host_ms": pytest.approx(3.0)}
+
+
 def test_copy_idle_by_phase_with_slot_free_times_splits_gaps():
     stats = copy_idle_by_phase([(1, 3, None), (6, 8, 5.0)], {"draft": [(0, 4)], "verify": [(4, 9)]})
     assert stats["copy_gap_slot_ms"] == pytest.approx(2.0)  # 3-5

@@ -88,7 +88,7 @@ class PopularityPolicy(LRUPolicy):
         copy into a slot the latest wave still reads would hold up the copy stream until that wave ends."""
         candidates = slots.unprotected_lru()
         if not candidates or any(slots.expert_of[s] is None for s in candidates):
-            return LRUPolicy.victim(self, layer, slots, predicted)  # nothing to choose, or empty slots first
+            return super().victim(layer, slots, predicted)  # nothing to choose, or empty slots first (LRU)
         earliest = min(slots.released[s] for s in candidates)
         released_later = frozenset(slots.expert_of[s] for s in candidates if slots.released[s] != earliest)
         return self.victim(layer, slots, predicted, keep=released_later)

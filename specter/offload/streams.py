@@ -147,7 +147,7 @@ class DeviceStreams:
         waits); slot free: when the event the copy waited for (its slot's last use) passed, None if none."""
         self.synchronize()
         at = lambda event: None if event is None else timeline.offset_ms(event, wait=False)  # noqa: E731
-        return [(at(c.start), at(c.end), at(c.after) if self.cuda else None) for c in self._copies]
+        return [(at(c.start), at(c.end), at(c.after)) for c in self._copies]
 
     def measured_bandwidth(self) -> float | None:
         """Bytes per ms over the copies that have finished (non-blocking), or None if none has."""

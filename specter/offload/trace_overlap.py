@@ -79,7 +79,7 @@ def copy_gaps_by_cause(copies: list[tuple[float, float, float | None]], start: f
     the gap before that copy's slot was free (its last reader had not finished) is copy_gap_slot_ms, the
     rest (the copy had not been issued yet, or nothing was left to copy) copy_gap_host_ms.
     copies: (start, end, slot free or None) in ms."""
-    ordered = sorted(copies)
+    ordered = sorted(copies, key=lambda c: (c[0], c[1]))  # (slot-free times may be None: never compared)
     starts = [c[0] for c in ordered]
     slot = host = 0.0
     for g0, g1 in complement(merge([(c[0], c[1]) for c in ordered]), start, end):
