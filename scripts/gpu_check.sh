@@ -5,19 +5,21 @@
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
 # kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
-# variants (the old defaults initial_chunk=2,load_ahead_layers=1; 1 and 3 layers ahead; popularity
-# eviction), each row printed as measured, with a host profile, then qwen K=8 in full.
+# variants (no early read and a quarter of the layers; the session-5 defaults
+# initial_chunk=2,load_ahead_layers=1; popularity eviction), each row printed as measured, with a host profile, then qwen K=8 in full.
 # report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, TF_CAP (Transformers' tokens
-# per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8), resuming the result
+# per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8), REPORT_TIMEOUT_S (per run; 0 = none), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
 # Hydra overrides such as token_caps.specmoeoff_sm=32), resuming
 # REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
-# llamacpp: a CUDA (sm_90) build of
+# llamacpp: a CUDA (sm_90, no FlashAttention kernels) build of
 # llama-cpp-python from the sdist staged by scripts/stage_llamacpp_cuda.sh (carry .llamacpp) into
-# /tmp/site-llama, then tiny-qwen against target-only on CUDA through the harness.
+# .llamacpp-site (once; the steps after it, e.g. report, then run llama.cpp from it), a probe (tiny-qwen
+# on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
+# on CUDA through the harness.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +28,10 @@ STEPS=("$@"); [ ${#STEPS[@]} -gt 0 ] || STEPS=(tests profile overlap kernel offl
 mkdir -p "$OUT"
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "error: gpu_check.sh needs a CUDA GPU" >&2; exit 2
+fi
+LLAMA_SITE="$PWD/.llamacpp-site"  # the llamacpp step's CUDA build (git-ignored, kept while the machine is warm)
+if [ -f "$LLAMA_SITE/llama_cpp/__init__.py" ]; then  # later steps and calls run llama.cpp from it
+  export PYTHONPATH="$LLAMA_SITE:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1)
 fi
 status=0
 for step in "${STEPS[@]}"; do
@@ -40,7 +46,7 @@ for step in "${STEPS[@]}"; do
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
-               --variants initial_chunk=2,load_ahead_layers=1 load_ahead_layers=1 load_ahead_layers=3 \
+               --variants early_read_fraction=0 early_read_fraction=0.25 initial_chunk=2,load_ahead_layers=1 \
                eviction=popularity 2>&1 \
                | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
              python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" 2>&1 \
@@ -48,7 +54,8 @@ for step in "${STEPS[@]}"; do
     report) rc=0
             for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
-              python3 -m experiments.main model="$model" mem="$mem" model.weights=synthetic dataset=all \
+              timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
+                model.weights=synthetic dataset=all \
                 'systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]' \
                 num_prompts="${NUM_PROMPTS:-1}" repeats=1 token_caps.transformers="${TF_CAP:-8}" results_dir="$dir" \
                 resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
@@ -63,19 +70,23 @@ for step in "${STEPS[@]}"; do
              > "$OUT/batch-dsv2.log" 2>&1; rc=$?
            grep -E " AVG |error" "$OUT/batch-dsv2.log"
            tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
-    llamacpp) site=/tmp/site-llama; sdist=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1)
-              python3 -m pip install -q --no-index --no-deps --target "$site" .llamacpp/diskcache-*.whl \
-                && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
-                   CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-index --no-deps \
-                   --no-build-isolation --target "$site" "$sdist" > "$OUT/llamacpp_build.log" 2>&1
-              rc=$?; tail -n 5 "$OUT/llamacpp_build.log"
+    llamacpp) sdist=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1); rc=0
+              if [ ! -f "$LLAMA_SITE/llama_cpp/__init__.py" ]; then  # built once per machine
+                python3 -m pip install -q --no-index --no-deps --target "$LLAMA_SITE" .llamacpp/diskcache-*.whl \
+                  && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+                     CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "${LLAMA_BUILD_S:-420}" python3 -m pip install -q \
+                     --no-index --no-deps --no-build-isolation --target "$LLAMA_SITE" "$sdist" > "$OUT/llamacpp_build.log" 2>&1
+                rc=$?; tail -n 5 "$OUT/llamacpp_build.log"
+              fi
               if [ "$rc" = 0 ]; then
-                PYTHONPATH="$site:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST="$sdist" python3 -c \
-                  "import llama_cpp; print('llama.cpp', llama_cpp.__version__, 'gpu offload:', llama_cpp.llama_supports_gpu_offload())"
-                SPECTER_LLAMACPP_SDIST="$sdist" python3 -m baselines.gguf_convert --fetch
-                PYTHONPATH="$site:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST="$sdist" python3 -m experiments.main \
-                  model=tiny-qwen device=cuda 'systems=[target_only,llama_cpp]' num_prompts=1 repeats=1 \
-                  results_dir=/tmp/llamacpp-tiny 2>&1 | grep -E " AVG |error|unavailable"; rc=${PIPESTATUS[0]}
+                export PYTHONPATH="$LLAMA_SITE:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST="$sdist"
+                python3 -c "import llama_cpp; print('llama.cpp', llama_cpp.__version__, 'gpu offload:', llama_cpp.llama_supports_gpu_offload())"
+                python3 -m baselines.gguf_convert --fetch
+                python3 scripts/llamacpp_cuda_probe.py --out "$OUT/llamacpp-probe" 2>&1 | grep -E "^(alone|after-torch):"
+                python3 -X faulthandler -m experiments.main model=tiny-qwen device=cuda 'systems=[target_only,llama_cpp]' num_prompts=1 \
+                  repeats=1 results_dir="$OUT/llamacpp-tiny" > "$OUT/llamacpp-tiny.log" 2>&1; rc=$?
+                grep -E " AVG |error|unavailable" "$OUT/llamacpp-tiny.log"
+                [ "$rc" = 0 ] || grep -A14 "Fatal Python error" "$OUT/llamacpp-tiny.log" | grep -v "^  File.*<frozen"
               fi ;;
     *) echo "error: unknown step $step" >&2; rc=2 ;;
   esac

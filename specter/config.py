@@ -21,6 +21,9 @@ class SpecterConfig:
       the current draft window predicts while another slot will do) or "popularity" (evicts the expert
       the target has routed the fewest tokens to in this request, LRU among ties).
     initial_chunk: draft tokens of the Cold Start chunk (observed before the first prefetch).
+    early_read_fraction: the Cold Start's last draft step reports the routing of its first
+      ceil(fraction x MoE layers) layers as soon as it has computed them, and their prefetches start
+      while it computes the rest (0: wait for the whole step; 1 is the same).
     prefetch_chunk: draft steps whose compute one prefetch batch's transfer may span (1: a batch per
       draft token, each issued as late as it can be).
     verify_wave: experts per verification wave (0: half the slots); a smaller first wave frees slots for
@@ -45,6 +48,7 @@ class SpecterConfig:
     expert_wise: bool = True
     eviction: str = "lru"
     initial_chunk: int = 1
+    early_read_fraction: float = 0.15
     prefetch_chunk: int = 1
     verify_wave: int = 0
     load_ahead_layers: int = 2
@@ -68,6 +72,8 @@ class SpecterConfig:
         if self.verify_wave < 0 or self.load_ahead_layers < 0 or self.copy_streams not in (1, 2):
             raise SpecterError(f"verify_wave and load_ahead_layers must be >= 0 and copy_streams 1 or 2, got "
                                f"{self.verify_wave}, {self.load_ahead_layers}, {self.copy_streams}")
+        if not 0.0 <= self.early_read_fraction <= 1.0:
+            raise SpecterError(f"early_read_fraction must be in [0, 1], got {self.early_read_fraction}")
         if not 0.0 < self.top_p <= 1.0:
             raise SpecterError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -15,7 +15,7 @@ from specter.offload.draft_graph import capture_draft_step
 from specter.offload.runtime import VerifyOptions, offload_experts
 from specter.offload.trace_overlap import copy_idle_by_phase
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
-from specter.prefetch.planner import NoPrefetch, PrefetchPlanner
+from specter.prefetch.planner import NoPrefetch, PrefetchPlanner, early_read_layer
 from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept, logits_to_probs, next_token, rejection_accept, seeded_generator
 from specter.spec.state import StateManager, new_static_cache
@@ -45,6 +45,7 @@ class SpecterEngine:
             self.planner = PrefetchPlanner(PatternAnalyzer(self.elb), self.runtime.cache,
                                            initial_chunk=self.config.initial_chunk,
                                            prefetch_chunk=self.config.prefetch_chunk)
+            self._tap_early_layers()
         else:
             self.planner = NoPrefetch()
         self.static_cache, self.draft_graph, self.graph_status = None, None, "off"
@@ -124,6 +125,13 @@ class SpecterEngine:
         empty = torch.empty(0, dtype=torch.long, device=self.model.device)
         drafted = torch.cat(tokens) if tokens else empty
         return drafted, (torch.stack(probs) if probs and probs[0] is not None else None)
+
+    def _tap_early_layers(self) -> None:
+        """Let the planner read the first draft step's early layers mid-step (config.early_read_fraction)."""
+        layer = early_read_layer(self.config.early_read_fraction, self.model.num_moe_layers)
+        tap = None if layer is None else self.runtime.streams.tap((layer + 1, self.model.num_experts), torch.int32)
+        if tap is not None:
+            self.elb.set_tap(layer, tap)
 
     def _static_cache(self, length: int):
         """The engine's static KV cache when the draft step runs as a CUDA graph (else None: dynamic KV)."""

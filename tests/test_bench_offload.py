@@ -42,3 +42,10 @@ def test_byte_simulation_counts_on_a_tiny_model():
     excess = row["decode_loads_per_token"] - row["floor_loads_per_token"]
     # each reload and each load of an expert the target did not route is over the floor (one load can be both)
     assert extra <= excess + 1e-9 and row["wasted_per_token"] <= excess + 1e-9
+
+
+def test_variants_parse_numbers_and_names():
+    assert bench.parse_variant("early_read_fraction=0.25,initial_chunk=1,eviction=popularity") == {
+        "early_read_fraction": 0.25, "initial_chunk": 1, "eviction": "popularity"}
+    config = specter.SpecterConfig(**bench.parse_variant("early_read_fraction=0"))
+    assert config.early_read_fraction == 0

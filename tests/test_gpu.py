@@ -21,6 +21,27 @@ def test_fp16_greedy_equals_target_only_on_cuda(name):
         assert out.stats["tpot_ms"] > 0
 
 
+def test_host_tap_signals_the_host_from_inside_a_cuda_graph():
+    from specter.offload.streams import DeviceStreams
+
+    tap = DeviceStreams(torch.device("cuda")).tap((4,), torch.float32)
+    assert tap is not None, "this torch has no external CUDA events"
+    x, w = torch.zeros(4, device="cuda"), torch.randn(4096, 4096, device="cuda")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        x.add_(1)
+        tap.record(x)
+        for _ in range(50):  # long work after the tap: the host reads before the graph ends
+            w = w @ w / 64
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for step in range(1, 4):
+        graph.replay()
+        assert tap.result().tolist() == [float(step)] * 4  # capture itself runs nothing
+    torch.cuda.synchronize()
+
+
 def test_sampling_runs_on_cuda():
     model = specter.load_model("tiny", device="cuda", dtype=torch.float16)
     out = specter.SpecterEngine(model, specter.SpecterConfig(k=4, temperature=0.8)).generate(prompt(), 16)
@@ -58,5 +79,6 @@ def test_draft_graph_replay_gives_the_eager_tokens(name):
     graphed = specter.SpecterEngine(model, specter.SpecterConfig(k=6, resident_experts_per_layer=2))
     first, second = graphed.generate(ids, 40), graphed.generate(ids, 40)  # capture once, replay after
     assert first.stats["draft_graph"] == "on", first.stats["draft_graph"]
+    assert any(t["early_batch"] for t in second.stats["prefetch_trace"])  # the counters' tap replays too
     assert first.token_ids == second.token_ids == eager.token_ids
     assert first.stats["acceptance_rate"] == eager.stats["acceptance_rate"]

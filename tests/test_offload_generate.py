@@ -72,6 +72,7 @@ def test_stats_of_an_offloaded_run():
     loads = s["misses"] + s["wasted_loads"] + s["prefetch_loads"]  # every copy is one of these
     assert s["h2d_bytes"] == loads * model.offload.store.expert_bytes
     assert 0 < s["misses_planned"] <= s["misses"]  # verification loads most misses on the draft's plan
+    assert any(t["early_batch"] for t in s["prefetch_trace"])  # the cold start's early layers, read mid-step
     late = specter.SpecterConfig(k=4, resident_experts_per_layer=2, initial_chunk=8)  # no draft-time prefetch:
     ahead = specter.SpecterEngine(model, late).generate(prompt(), NEW).stats  # slots keep unplanned leftovers
     assert ahead["prefetch_loads"] == 0 and ahead["loads_ahead"] > 0  # loaded while the previous layer ran

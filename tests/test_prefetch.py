@@ -3,7 +3,15 @@ import torch
 
 from specter.models.hybrid_experts import DRAFT
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
-from specter.prefetch.planner import COLD_START, FINAL_CLEANUP, PREFETCH_OVERLAP, CostModel, PrefetchPlanner
+from specter.offload.streams import DeviceStreams
+from specter.prefetch.planner import (
+    COLD_START,
+    FINAL_CLEANUP,
+    PREFETCH_OVERLAP,
+    CostModel,
+    PrefetchPlanner,
+    early_read_layer,
+)
 from specter.spec.state import StateManager
 from tests.conftest import prompt, tiny_model
 from tests.test_expert_cache import EXPERTS, LAYERS, make_cache
@@ -119,6 +127,46 @@ def test_batches_are_issued_once_the_next_step_is_queued_and_capped_by_the_rest_
     assert cache.resident_experts(0) == {0} and cache.resident_experts(1) == {2}
     assert cache.verify_plan.get(0) == [0, 1, 2, 3] and cache.verify_plan.get(1) == [2, 0, 3, 4, 5]
     assert int(elb.counts.sum()) == 0
+
+
+def test_tap_copies_the_early_layers_counts_when_the_step_reaches_them():
+    elb = ExpertLookaheadBuffer(LAYERS, EXPERTS, torch.device("cpu"))
+    elb.set_tap(0, DeviceStreams(torch.device("cpu")).tap((1, EXPERTS), torch.int32))
+    elb.observe(0, torch.tensor([ROUTES[0][0]]))
+    assert torch.equal(elb.tap.result(), elb.counts[:1])
+    elb.observe(1, torch.tensor([ROUTES[0][1]]))
+    elb.counts[0, 5] += 7  # changes after the tapped layer are not in the copy
+    assert int(elb.tap.result()[0, 5]) == 0 and int(elb.tap.result().sum()) == 2
+
+
+def test_early_read_plans_the_cold_starts_early_layers_before_its_last_step_ends():
+    planner, elb, cache = planner_with(slots=4)  # initial_chunk=2
+    elb.set_tap(0, DeviceStreams(torch.device("cpu")).tap((1, EXPERTS), torch.int32))
+    resident_after = {}
+    draft_window(planner, elb, 8, on_token=lambda i: resident_after.setdefault(
+        i, (cache.resident_experts(0), cache.resident_experts(1))))
+    assert resident_after[1] == (set(), set())  # the cold start's first step only observes
+    # after step 2: layer 0's counts {0: 2, 1: 1, 2: 1}; the step's other half hides one expert
+    assert resident_after[2] == ({0}, set()) and planner.traces[-1].early_batch == 1
+    assert resident_after[3] == ({0, 1}, {2})  # then the whole step's plan, as without the early read
+    assert cache.resident_experts(0) == {0, 1, 2, 3} and cache.resident_experts(1) == {0, 2, 3, 4}
+
+
+def test_early_read_waits_for_the_cold_start_and_needs_a_tap():
+    planner, elb, cache = planner_with(slots=4, initial_chunk=8)  # no draft-time prefetch
+    elb.set_tap(0, DeviceStreams(torch.device("cpu")).tap((1, EXPERTS), torch.int32))
+    draft_window(planner, elb, 8)
+    assert planner.traces[-1].early_batch == 0 and cache.counters["prefetch_loads"] == 0
+    planner, elb, cache = planner_with(slots=4)
+    draft_window(planner, elb, 8)
+    assert planner.traces[-1].early_batch == 0
+
+
+def test_early_read_layer():
+    assert early_read_layer(0.25, 26) == 6  # layers 0..6 of dsv2's 26
+    assert early_read_layer(0.25, 2) == 0
+    assert early_read_layer(0.0, 26) is None and early_read_layer(1.0, 26) is None  # off / the whole step
+    assert early_read_layer(0.99, 4) is None
 
 
 def test_window_shorter_than_the_cold_start_only_plans_verification():

@@ -110,6 +110,14 @@ class DeviceStreams:
         done.record(self.compute_stream())
         return HostRead(host, done)
 
+    def tap(self, shape: tuple, dtype: torch.dtype) -> HostTap | None:
+        """A fixed pinned host buffer that `HostTap.record` fills from inside a CUDA graph, or None where
+        a captured graph cannot signal the host (this torch has no external events)."""
+        try:
+            return HostTap(shape, dtype, self.cuda)
+        except TypeError:  # torch.cuda.Event(external=...) is missing
+            return None
+
     @staticmethod
     def is_ready(ready) -> bool:
         """Non-blocking: has this copy finished (always True on CPU)?"""
@@ -165,6 +173,29 @@ class HostRead:
     def result(self) -> torch.Tensor:
         if self.done is not None:
             self.done.synchronize()
+        return self.host
+
+
+class HostTap:
+    """A small device tensor copied to one pinned host buffer each time `record` runs, even as a node of a
+    captured CUDA graph (its event is external, so the host can wait for the graph to reach it)."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, cuda: bool) -> None:
+        self.event = torch.cuda.Event(external=True) if cuda else None
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self.recorded = False
+
+    def record(self, tensor: torch.Tensor) -> None:
+        """Copy `tensor` to the host buffer when the current stream gets here (synchronous on CPU)."""
+        self.host.copy_(tensor, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+        self.recorded = True
+
+    def result(self) -> torch.Tensor:
+        """The host buffer once the latest recorded copy is done (the host waits for that point alone)."""
+        if self.event is not None:
+            self.event.synchronize()
         return self.host
 
 

@@ -17,6 +17,12 @@ class ExpertLookaheadBuffer:
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int32, device=device)  # [L, E]
         self._ones = torch.ones(4096, dtype=torch.int32, device=device)  # addends, kept (one kernel less a step)
         self._retired: list[torch.Tensor] = []  # outgrown addends stay alive: a captured graph may read them
+        self.tap_layer, self.tap = -1, None  # see set_tap
+
+    def set_tap(self, layer: int, tap) -> None:
+        """Copy the counters of layers 0..`layer` to `tap` (a streams.HostTap) as soon as a draft step has
+        counted `layer`, so the planner can act on early layers before the step ends (before capture)."""
+        self.tap_layer, self.tap = layer, tap
 
     def observe(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Routing observer of HybridExperts in draft mode: add this step's top-k ids of `layer`."""
@@ -25,6 +31,8 @@ class ExpertLookaheadBuffer:
             self._retired.append(self._ones)
             self._ones = torch.ones(ids.numel(), dtype=torch.int32, device=ids.device)
         self.counts[layer].index_add_(0, ids, self._ones[: ids.numel()])
+        if layer == self.tap_layer:
+            self.tap.record(self.counts[: layer + 1])  # [layer + 1, E]
 
     def clear(self) -> None:
         self.counts.zero_()
@@ -45,6 +53,15 @@ class PatternAnalyzer:
         """The ranking as it stands now, copied to the host in the background (read on first use)."""
         packed = self._packed()
         return Ranking(streams.read_later(packed if packed.is_cuda else packed.clone()))
+
+    def early_rows(self) -> dict[int, list[tuple[int, int]]] | None:
+        """Layer -> [(expert, count)] of the early layers as the counters' tap last copied them (waits for
+        that copy), most frequent first; None without a tap."""
+        if self.elb.tap is None:
+            return None
+        values, experts = self.elb.tap.result().sort(dim=1, descending=True, stable=True)  # [h + 1, E] each
+        return {layer: [(e, c) for e, c in zip(es, cs) if c > 0]
+                for layer, (es, cs) in enumerate(zip(experts.tolist(), values.tolist()))}
 
     def ranking(self) -> dict[int, list[int]]:
         """Layer -> every expert the draft picked in this window, most frequent first (one D2H copy)."""

@@ -42,16 +42,20 @@ class WindowTrace:
     boundaries: list[int] = field(default_factory=list)  # drafted-token counts where it planned
     phases: list[str] = field(default_factory=list)  # phase entered at each boundary
     batch_sizes: list[int] = field(default_factory=list)  # experts issued at each boundary
+    early_batch: int = 0  # experts issued from the Cold Start's early layers (before its last step ends)
     planned: dict = field(default_factory=dict)  # layer -> experts planned in this window
 
     def as_dict(self) -> dict:
-        return {"k": self.k, "boundaries": self.boundaries, "phases": self.phases, "batches": self.batch_sizes}
+        return {"k": self.k, "boundaries": self.boundaries, "phases": self.phases, "batches": self.batch_sizes,
+                "early_batch": self.early_batch}
 
 
 class PrefetchPlanner:
     """Turns the draft's routing into H2D batches that overlap with the remaining draft compute.
 
-    Cold Start: the first chunk (`initial_chunk` tokens) only observes. At each boundary the counters
+    Cold Start: the first chunk (`initial_chunk` tokens) only observes, except that when the counters
+    have a tap (ExpertLookaheadBuffer.set_tap) the chunk's last step has its early layers planned as
+    soon as it has routed them, in one batch the rest of that step can hide. At each boundary the counters
     are read in the background; once the next draft step is queued, the analyzer's top-M plan
     (M = slots per layer) minus the resident experts is issued as one batch on the copy stream, most
     frequently routed experts first and no more than `prefetch_chunk` draft steps can hide, and the
@@ -83,6 +87,8 @@ class PrefetchPlanner:
         if self.pending is not None:
             self._checkpoint(*self.pending)
         if self.phase != FINAL_CLEANUP and drafted == self.next_boundary and drafted < self.trace.k:
+            if self.phase == COLD_START:
+                self._early_batch()
             self.pending = (drafted, self.analyzer.read_later(self.cache.streams))
 
     def end_window(self) -> WindowTrace:
@@ -113,7 +119,15 @@ class PrefetchPlanner:
         self.trace.phases.append(self.phase)
         self.trace.batch_sizes.append(batch)
 
-    def _capacity(self, tokens: int) -> int:
+    def _early_batch(self) -> None:
+        """The Cold Start's last step's early layers, read mid-step through the counters' tap (if any):
+        their planned experts go out while the step computes its later layers."""
+        rows = self.analyzer.early_rows()  # the host waits until the step has counted the tapped layers
+        if rows:
+            rest_of_step = 1 - len(rows) / len(self.cache.layers)
+            self.trace.early_batch = self._issue(rows, self._capacity(rest_of_step))
+
+    def _capacity(self, tokens: float) -> int:
         """Experts whose transfer `tokens` draft steps can hide (rounded up: the copy stream never idles)."""
         hidden_ms = tokens * self.cost.draft_ms_per_token
         return max(1, math.ceil(hidden_ms * self.cost.h2d_bytes_per_ms / self.cache.store.expert_bytes))
@@ -145,6 +159,12 @@ class PrefetchPlanner:
 
     def reset(self) -> None:
         self.traces = []
+
+
+def early_read_layer(fraction: float, num_layers: int) -> int | None:
+    """The last MoE layer of the first draft step's early read (None: off, or it would be the whole step)."""
+    layer = math.ceil(fraction * num_layers) - 1
+    return layer if 0 <= layer < num_layers - 1 else None
 
 
 class NoPrefetch:
