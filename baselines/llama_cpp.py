@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +20,9 @@ from baselines.gguf_convert import (
     source_dir,
     unconvertible,
 )
+from baselines.worker_process import WorkerProcess
 from specter.config import SpecterConfig
+from specter.errors import SpecterError
 from specter.inputs import check_prompt
 from specter.metrics import GenerationResult, tpot_ms
 from specter.models.hybrid import HybridMoEModel
@@ -27,15 +31,17 @@ from specter.offload.budget import kv_bytes_per_token, plan_memory
 INSTALL_HINT = ('pip install -e ".[llamacpp]" (portable CPU build: CMAKE_ARGS=-DGGML_NATIVE=off; '
                 'NVIDIA GPU: CMAKE_ARGS=-DGGML_CUDA=on), or scripts/setup_llamacpp.sh')
 GGUF_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+WORKER = Path(__file__).parent / "workers" / "llama_cpp_worker.py"
+STARTUP_TIMEOUT_S, LOAD_TIMEOUT_S, TOKEN_TIMEOUT_S = 120.0, 900.0, 10.0
 
 
-def import_llama_cpp():
-    """(the llama_cpp module, "") or (None, why it cannot be imported and how to install it)."""
+def llama_cpp_missing() -> str:
+    """Why llama-cpp-python is not installed here, or "" (whether it loads is the worker's to say)."""
     try:
-        import llama_cpp
-    except (ImportError, OSError) as err:  # OSError: the shared library does not load
-        return None, f"llama-cpp-python is not importable ({type(err).__name__}: {err}); install: {INSTALL_HINT}"
-    return llama_cpp, ""
+        found = importlib.util.find_spec("llama_cpp") is not None
+    except ValueError:  # in sys.modules without a spec: an importable stand-in
+        found = True
+    return "" if found else f"llama-cpp-python is not importable (not installed); install: {INSTALL_HINT}"
 
 
 def gpu_layers_that_fit(budget_bytes: int, reserved_bytes: int, layer_bytes: list[int]) -> int:
@@ -70,7 +76,8 @@ class LlamaCppBaseline:
     The GGUF is written by llama.cpp's own convert_hf_to_gguf.py from a checkpoint of the exact target
     weights (baselines.export), in the model's dtype (f32 on CPU), and lives in a temporary directory
     owned by this object. n_gpu_layers comes from the GPU bytes Specter uses with the same expert slots
-    (0 without a GPU build or device).
+    (0 without a GPU build or device). llama.cpp runs in a worker process of its own
+    (baselines/workers/llama_cpp_worker.py): a CUDA build crashes in a process where torch has used CUDA.
     """
 
     name = "llama_cpp"
@@ -85,7 +92,7 @@ class LlamaCppBaseline:
         self._status: tuple[bool, str] | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._gguf: Path | None = None
-        self._llm = None
+        self._worker: WorkerProcess | None = None
         self._n_ctx = 0
         self.n_gpu_layers = 0
         self.convert_s = float("nan")
@@ -97,14 +104,23 @@ class LlamaCppBaseline:
         return self._status
 
     def _unavailable_reason(self) -> str:
-        llama_cpp, reason = import_llama_cpp()
-        if llama_cpp is None:
+        if reason := llama_cpp_missing():
             return reason
         if reason := unconvertible(self.config):
             return reason
         if converter_root() is None:
             return f"llama.cpp's converter (from the llama-cpp-python sdist) is not under {source_dir()}: {SETUP_HINT}"
+        try:
+            self.worker()
+        except SpecterError as exc:
+            return f"llama-cpp-python does not load: {exc}; install: {INSTALL_HINT}"
         return ""
+
+    def worker(self) -> WorkerProcess:
+        """The llama.cpp worker process (started on first use; its hello says the version and GPU support)."""
+        if self._worker is None:
+            self._worker = WorkerProcess([sys.executable, str(WORKER)], "llama.cpp worker", STARTUP_TIMEOUT_S)
+        return self._worker
 
     def gguf_path(self) -> Path:
         """The converted model (converted on first use; the HF checkpoint written for it is removed)."""
@@ -122,45 +138,34 @@ class LlamaCppBaseline:
 
     def plan_gpu_layers(self, n_ctx: int) -> int:
         """n_gpu_layers for Specter's GPU bytes at the same slot count; 0 on CPU or without GPU offload."""
-        llama_cpp, _ = import_llama_cpp()
-        if self.model.device.type != "cuda" or llama_cpp is None or not llama_cpp.llama_supports_gpu_offload():
+        if self.model.device.type != "cuda" or not self.worker().hello["gpu_offload"]:
             return 0
         plan = plan_memory(self.model.spec, self.config, dtype=self.model.dtype)
         order = offload_order_bytes(self.config, GGUF_BYTES[self.outtype], n_ctx)
         return gpu_layers_that_fit(plan.bytes_for(self.slots), plan.workspace_bytes, order)
 
-    def _llama(self, needed_ctx: int):
-        """The llama.cpp context, (re)built when a request needs more positions than it has."""
-        if self._llm is not None and needed_ctx <= self._n_ctx:
-            return self._llm
-        import llama_cpp
-
-        self.close_context()
+    def _load(self, needed_ctx: int) -> None:
+        """Load the GGUF in the worker, again when a request needs more positions than the context has."""
+        if needed_ctx <= self._n_ctx:
+            return
         n_ctx = max(512, -(-needed_ctx // 256) * 256)
         self.n_gpu_layers = self.plan_gpu_layers(n_ctx)
-        kv_type = llama_cpp.GGML_TYPE_F32 if self.outtype == "f32" else llama_cpp.GGML_TYPE_F16
-        self._llm = llama_cpp.Llama(str(self.gguf_path()), n_ctx=n_ctx, n_batch=min(512, n_ctx),
-                                    n_gpu_layers=self.n_gpu_layers, n_threads=self.n_threads,
-                                    n_threads_batch=self.n_threads, type_k=kv_type, type_v=kv_type,
-                                    seed=0, verbose=False)
+        self.worker().request({"op": "load", "gguf": str(self.gguf_path()), "n_ctx": n_ctx,
+                               "n_gpu_layers": self.n_gpu_layers, "n_threads": self.n_threads,
+                               "kv_f32": self.outtype == "f32"}, LOAD_TIMEOUT_S)
         self._n_ctx = n_ctx
-        return self._llm
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
-        """Exactly max_new_tokens greedy tokens (no EOS stop), each timestamped as llama.cpp yields it."""
+        """Exactly max_new_tokens greedy tokens (no EOS stop), each timestamped in the worker as llama.cpp
+        yields it."""
         prompt = check_prompt(input_ids, max_new_tokens)[0].tolist()
-        llm = self._llama(len(prompt) + max_new_tokens)
-        llm.reset()  # no KV reuse from the previous request
-        tokens, times = [], []
-        start = time.perf_counter()
-        stream = llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
-        for token in stream:
-            times.append((time.perf_counter() - start) * 1e3)
-            tokens.append(int(token))
-            if len(tokens) == max_new_tokens:
-                break
-        stream.close()
-        return GenerationResult(tokens, self._stats(times))
+        ok, reason = self.available()
+        if not ok:
+            raise SpecterError(f"the llama.cpp baseline cannot run here: {reason}")
+        self._load(len(prompt) + max_new_tokens)
+        out = self.worker().request({"op": "generate", "prompt": prompt, "max_new_tokens": max_new_tokens},
+                                    LOAD_TIMEOUT_S + TOKEN_TIMEOUT_S * max_new_tokens)
+        return GenerationResult(out["token_ids"], self._stats(out["times_ms"]))
 
     def _stats(self, times: list[float]) -> dict:
         return {"generated_tokens": len(times), "tpot_ms": tpot_ms(times), "ttft_ms": times[0],
@@ -168,9 +173,10 @@ class LlamaCppBaseline:
                 "gguf_dtype": self.outtype, "convert_s": self.convert_s, "n_threads": self.n_threads}
 
     def close_context(self) -> None:
-        if self._llm is not None:
-            self._llm.close()
-            self._llm, self._n_ctx = None, 0
+        """Stop the worker (and with it the llama.cpp context)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker, self._n_ctx, self._status = None, 0, None
 
     def close(self) -> None:
         """Free the llama.cpp context and delete the GGUF."""

@@ -1,22 +1,17 @@
 """The vLLM baseline: vllm.LLM with cpu_offload_gb sized from Specter's GPU budget, in its own environment."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
-import re
 import shutil
-import signal
-import subprocess
 import tempfile
-import threading
 import weakref
 from pathlib import Path
 
 import torch
 
 from baselines.export import save_checkpoint
+from baselines.worker_process import WorkerProcess
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.inputs import check_prompt
@@ -26,12 +21,11 @@ from specter.offload.budget import GB, plan_memory
 
 VLLM_VERSION = "0.32.0"
 VLLM_MAX_MODEL_LEN = 2048  # positions vLLM plans its KV for (capped by the model's own)
-WORKER = Path(__file__).with_name("vllm_worker.py")
+WORKER = Path(__file__).parent / "workers" / "vllm_worker.py"
 SETUP = "scripts/setup_vllm_env.sh"
 # transformers 5 class names -> vLLM's registry names, where they differ (written into the checkpoint's config)
 ARCH_ALIASES = {"PhimoeForCausalLM": "PhiMoEForCausalLM"}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-EXCEPTION_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
 
 
 def venv_dir() -> Path:
@@ -77,81 +71,6 @@ def mla_check(config, hello: dict) -> tuple[bool, str] | None:
         return None
     return False, (f"vLLM {hello['vllm']} MLA attention supports head sizes {'/'.join(map(str, sizes))}, not "
                    f"{head} (kv_lora_rank {config.kv_lora_rank} + qk_rope_head_dim {config.qk_rope_head_dim})")
-
-
-class WorkerProcess:
-    """The persistent vLLM worker (baselines/vllm_worker.py in the venv): JSON lines, every reply timed out."""
-
-    def __init__(self, python: Path, startup_timeout_s: float) -> None:
-        self.log_path = Path(tempfile.mkstemp(prefix="specter-vllm-", suffix=".log")[1])
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, env=env, start_new_session=True)
-        self.failed = False  # the log is kept (its path is in the error) once a request failed
-        self.log_seen = 0  # errors are looked for in the log after what earlier replies covered
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.hello = self.request({"op": "hello"}, startup_timeout_s)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)  # end of output: the worker exited
-
-    def request(self, message: dict, timeout_s: float) -> dict:
-        op, log_offset = message["op"], self.log_seen
-        try:
-            if self.proc.poll() is not None:
-                raise OSError("the worker is not running")
-            self.proc.stdin.write(json.dumps(message) + "\n")
-            self.proc.stdin.flush()
-            line = self.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            self.failed = True
-            self.close(timeout_s=0)  # unresponsive: killed at once
-            raise SpecterError(f"vLLM worker: no reply to {op} within {timeout_s:g} s (log: {self.log_path})") from None
-        except (OSError, ValueError):  # a closed or broken pipe
-            line = None
-        if line is None:
-            self.failed = True
-            raise SpecterError(f"vLLM worker exited during {op} (code {self.proc.poll()}): "
-                               f"{self.root_cause(log_offset) or 'no error in its log'} (log: {self.log_path})")
-        try:
-            reply = json.loads(line)
-        except json.JSONDecodeError:
-            reply = {"ok": False, "error": f"not a reply: {line.strip()[:200]}"}
-        self.log_seen = self.log_path.stat().st_size
-        if not reply.get("ok"):
-            self.failed = True
-            raise SpecterError(f"{self.root_cause(log_offset) or reply.get('error')} (log: {self.log_path})")
-        return reply
-
-    def root_cause(self, offset: int = 0) -> str | None:
-        """The first exception logged since `offset` (vLLM's engine processes log the root cause first)."""
-        with open(self.log_path, errors="replace") as log:
-            log.seek(offset)
-            for line in log:
-                match = EXCEPTION_LINE.search(line.strip())
-                if match and "WARNING" not in line:
-                    return f"{match.group(1)}: {match.group(2)}"[:300]
-        return None
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the worker to exit; its whole process group (vLLM's engine processes) is killed if it does not."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"op": "close"}\n')
-                self.proc.stdin.close()
-                self.proc.wait(timeout_s)
-            except (OSError, subprocess.TimeoutExpired):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # engine processes left in the worker's own session
-        if not self.failed:
-            self.log_path.unlink(missing_ok=True)
 
 
 def _shutdown(state: dict) -> None:
@@ -223,7 +142,9 @@ class VLLMBaseline:
 
     def _worker(self) -> WorkerProcess:
         if self._state.get("worker") is None:
-            self._state["worker"] = WorkerProcess(venv_python(), self.startup_timeout_s)
+            env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+            self._state["worker"] = WorkerProcess([str(venv_python()), str(WORKER)], "vLLM worker",
+                                                  self.startup_timeout_s, env)
         return self._state["worker"]
 
     def _load(self) -> None:

@@ -133,6 +133,7 @@ def test_greedy_tokens_equal_target_only_in_f32(name, converter):
             assert stats["gguf_dtype"] == "f32"
         gguf = system.gguf_path()
         assert system.generate(PROMPTS[0], 8).token_ids == reference_prefix(model, 8)  # no KV carried over
+        assert "llama_cpp" not in sys.modules  # llama.cpp ran in its worker: never loaded beside torch
         assert system.gguf_path() == gguf  # converted once
     finally:
         system.close()

@@ -1,7 +1,7 @@
 """The vLLM baseline's worker: runs inside the vLLM virtual environment (stdlib, torch, vllm only; no specter).
 
-Protocol (baselines/vllm_engine.py speaks it): one JSON object per line on stdin, one reply per line on
-stdout; everything else that would go to stdout (vLLM and its engine processes print) goes to stderr.
+Protocol (baselines/vllm_engine.py speaks it, through baselines/worker_process.py; the loop is worker_loop.py):
+one JSON object per line on stdin, one reply per line on stdout.
   {"op": "hello"}                       -> vllm/torch versions, platform, supported architectures, MLA sizes
   {"op": "load", "checkpoint", "dtype", "cpu_offload_gb", "max_model_len", "gpu_memory_gb"} -> load_s
   {"op": "generate", "prompts": [[ids]], "max_new_tokens"} -> per prompt token_ids and times_ms
@@ -16,7 +16,8 @@ import json
 import os
 import sys
 import time
-import traceback
+
+from worker_loop import handle, replies_to_stdout, serve  # a sibling file: the worker runs as a script
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; otherwise the CPU backend takes most of the RAM
 
@@ -94,36 +95,16 @@ def gpu_fraction(budget_gb: float) -> float:
     return max(0.05, min(0.95, budget_gb / total))
 
 
-def handle(worker: Worker, request: dict) -> dict:
-    ops = {"hello": hello, "load": worker.load, "generate": worker.generate}
-    op = request.get("op")
-    if op not in ops:
-        return {"ok": False, "error": f"unknown op {op!r}"}
-    try:
-        return {"ok": True, **ops[op](request)}
-    except Exception as exc:  # noqa: BLE001 -- any failure is a reply; the adapter makes it one SpecterError line
-        traceback.print_exc(file=sys.stderr)
-        return {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"}
-
-
-def serve(reply) -> None:
-    worker = Worker()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        if request.get("op") == "close":
-            break
-        reply.write(json.dumps(handle(worker, request)) + "\n")
-        reply.flush()
+def operations(worker: Worker) -> dict:
+    return {"hello": hello, "load": worker.load, "generate": worker.generate}
 
 
 def one_shot(path: str, reply) -> int:
     with open(path) as f:
         request = json.load(f)
-    worker, merged = Worker(), {}
+    ops, merged = operations(Worker()), {}
     for op in ("hello", "load", "generate"):
-        merged.update(handle(worker, {**request, "op": op}))
+        merged.update(handle(ops, {**request, "op": op}))
         if not merged["ok"]:
             break
     reply.write(json.dumps(merged) + "\n")
@@ -131,12 +112,10 @@ def one_shot(path: str, reply) -> int:
 
 
 def main(argv: list[str]) -> int:
-    reply = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # anything printed (vLLM, its engine processes) goes to stderr, never into the replies
-    with reply:
+    with replies_to_stdout() as reply:  # anything vLLM and its engine processes print goes to stderr
         if argv:
             return one_shot(argv[0], reply)
-        serve(reply)
+        serve(operations(Worker()), reply)
     return 0
 
 
