@@ -183,14 +183,12 @@ class HostTap:
     def __init__(self, shape: tuple, dtype: torch.dtype, cuda: bool) -> None:
         self.event = torch.cuda.Event(external=True) if cuda else None
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self.recorded = False
 
     def record(self, tensor: torch.Tensor) -> None:
         """Copy `tensor` to the host buffer when the current stream gets here (synchronous on CPU)."""
         self.host.copy_(tensor, non_blocking=self.event is not None)
         if self.event is not None:
             self.event.record()
-        self.recorded = True
 
     def result(self) -> torch.Tensor:
         """The host buffer once the latest recorded copy is done (the host waits for that point alone)."""
