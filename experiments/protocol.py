@@ -25,12 +25,23 @@ def encode_prompts(model, prompts: dict[str, list[str] | str], prefix_tokens: in
     return encoded
 
 
-def warm_up(systems: list, ids: torch.Tensor) -> list:
-    """One short generation per available system (excluded from the records); returns those systems."""
+def warm_up(systems: list, ids: torch.Tensor, failed=None) -> list:
+    """One short generation per available system (excluded from the records); returns those that ran.
+
+    A system whose engine fails there with a SpecterError (e.g. its worker process crashed) is left out
+    and passed to `failed(system, reason)`, so the others still run; without `failed` the error propagates.
+    """
     ready = []
     for system in systems:
         if system.available()[0]:
-            system.generate(ids, WARMUP_TOKENS)
+            try:
+                system.generate(ids, WARMUP_TOKENS)
+            except SpecterError as exc:
+                if failed is None:
+                    raise
+                print(f"warning: {system.name} failed in its warm-up and is left out: {exc}", file=sys.stderr)
+                failed(system, f"failed in its warm-up: {exc}")
+                continue
             ready.append(system)
     return ready
 
@@ -46,12 +57,15 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
     its tokens are checked against the same prefix of target-only's).
     """
     tags = tags or {}
+    def unavailable_system(system, reason: str) -> None:
+        writer.add(unavailable({"system": system.name, "dataset": "*", "prompt_id": -1, **tags}, reason))
+
     for system in systems:
         ok, reason = system.available()
         if not ok:
-            writer.add(unavailable({"system": system.name, "dataset": "*", "prompt_id": -1, **tags}, reason))
+            unavailable_system(system, reason)
     first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
-    runnable = warm_up(systems, first) if first is not None else []
+    runnable = warm_up(systems, first, unavailable_system) if first is not None else []
     total = sum(len(p) for p in prompts.values() if not isinstance(p, str)) * repeats * len(runnable)
     with tqdm(total=total, desc="decoding", unit="run", file=sys.stderr) as bar:
         for dataset, cases in prompts.items():

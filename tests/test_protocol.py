@@ -3,6 +3,7 @@ import torch
 
 from experiments.protocol import run_cases
 from experiments.records import RecordWriter
+from specter.errors import SpecterError
 from specter.metrics import GenerationResult
 
 
@@ -31,3 +32,21 @@ def test_a_capped_system_decodes_fewer_tokens_checked_against_the_same_prefix(tm
     assert rows["slow"]["generated_tokens"] == 4 and rows["slow"]["tokens_match_target"] == "yes"
     assert rows["wrong"]["tokens_match_target"] == "no"
     assert rows["target_only"]["generated_tokens"] == 12
+
+
+class Crashing(Counting):
+    """A baseline whose engine dies (as a crashed worker process reports itself)."""
+
+    def generate(self, input_ids, max_new_tokens):
+        raise SpecterError("llama.cpp worker exited during generate (code -11, SIGSEGV)")
+
+
+def test_a_system_failing_in_its_warm_up_becomes_an_unavailable_row_and_the_rest_run(tmp_path, capsys):
+    target, crashing = Counting("target_only"), Crashing("llama_cpp")
+    writer = RecordWriter(tmp_path)
+    run_cases([crashing, target], {"builtin": [torch.tensor([[1, 2, 3]])]}, 1, 8, writer)
+    rows = {r["system"]: r for r in writer.rows}
+    assert rows["llama_cpp"]["status"] == ("unavailable: failed in its warm-up: llama.cpp worker exited during "
+                                           "generate (code -11, SIGSEGV)")
+    assert rows["target_only"]["generated_tokens"] == 8
+    assert "llama_cpp failed in its warm-up" in capsys.readouterr().err
