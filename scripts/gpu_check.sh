@@ -17,7 +17,9 @@
 # REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
 # llamacpp: a CUDA (sm_90, no FlashAttention kernels) build of
 # llama-cpp-python from the sdist staged by scripts/stage_llamacpp_cuda.sh (carry .llamacpp) into
-# .llamacpp-site (once; the steps after it, e.g. report, then run llama.cpp from it), a probe (tiny-qwen
+# .llamacpp-site (once per machine, or carried back: the build comes back as OUT/llamacpp-site.tgz.part*;
+# unpack with `cat OUT/llamacpp-site.tgz.part* | tar xzf -`; steps after it, e.g. report, run llama.cpp
+# from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
 # Each step prints a short table and keeps going if another fails.
@@ -77,6 +79,9 @@ for step in "${STEPS[@]}"; do
                      CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "${LLAMA_BUILD_S:-420}" python3 -m pip install -q \
                      --no-index --no-deps --no-build-isolation --target "$LLAMA_SITE" "$sdist" > "$OUT/llamacpp_build.log" 2>&1
                 rc=$?; tail -n 5 "$OUT/llamacpp_build.log"
+                if [ "$rc" = 0 ]; then  # back in <= 15 MiB parts: cat them | tar xzf - here, then carry .llamacpp-site
+                  tar czf - .llamacpp-site | split -b 15m -d - "$OUT/llamacpp-site.tgz.part"; du -ch "$OUT"/llamacpp-site.tgz.part* | tail -1
+                fi
               fi
               if [ "$rc" = 0 ]; then
                 export PYTHONPATH="$LLAMA_SITE:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST="$sdist"
