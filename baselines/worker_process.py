@@ -18,7 +18,7 @@ EXCEPTION_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
 
 
 class WorkerProcess:
-    """A persistent worker (`command` runs a script built on workers/worker_loop.py): JSON lines, every reply timed out.
+    """A persistent worker (`command` runs a script on workers/worker_loop.py): JSON lines, each reply timed out.
 
     Its stderr goes to a log file, kept (and named in the error) once a request failed; the first
     exception there is the error's text. A worker that crashes (a signal, e.g. SIGSEGV) is one

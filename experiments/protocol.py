@@ -57,6 +57,7 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
     its tokens are checked against the same prefix of target-only's).
     """
     tags = tags or {}
+
     def unavailable_system(system, reason: str) -> None:
         writer.add(unavailable({"system": system.name, "dataset": "*", "prompt_id": -1, **tags}, reason))
 

@@ -4,6 +4,7 @@ import torch
 
 import specter
 from baselines.target_only import TargetOnly
+from specter.offload.streams import DeviceStreams
 from tests.conftest import prompt
 
 pytestmark = pytest.mark.gpu
@@ -22,8 +23,6 @@ def test_fp16_greedy_equals_target_only_on_cuda(name):
 
 
 def test_host_tap_signals_the_host_from_inside_a_cuda_graph():
-    from specter.offload.streams import DeviceStreams
-
     tap = DeviceStreams(torch.device("cuda")).tap((4,), torch.float32)
     assert tap is not None, "this torch has no external CUDA events"
     x, w = torch.zeros(4, device="cuda"), torch.randn(4096, 4096, device="cuda")

@@ -57,17 +57,16 @@ class Worker:
         stream.close()
         return {"token_ids": tokens, "times_ms": times_ms}
 
-    def close(self, _request: dict | None = None) -> dict:
+    def close(self) -> None:
         if self.llm is not None:
             self.llm.close()
             self.llm = None
-        return {}
 
 
 def main() -> int:
     worker = Worker()
     with replies_to_stdout() as reply:  # llama.cpp's own prints go to stderr
-        serve({"hello": hello, "load": worker.load, "generate": worker.generate, "unload": worker.close}, reply)
+        serve({"hello": hello, "load": worker.load, "generate": worker.generate}, reply)
     worker.close()
     return 0
 
