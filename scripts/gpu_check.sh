@@ -5,8 +5,8 @@
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
 # kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
-# variants (no early read and a quarter of the layers; the session-5 defaults
-# initial_chunk=2,load_ahead_layers=1; popularity eviction), each row printed as measured, with a host profile, then qwen K=8 in full.
+# OFFLOAD_VARIANTS (default: no spare rows, 8 spare rows, no early read, the defaults again), each row
+# printed as measured, with a host profile, then qwen K=8 in full.
 # report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, TF_CAP (Transformers' tokens
 # per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8), REPORT_TIMEOUT_S (per run; 0 = none), resuming the result
@@ -17,9 +17,9 @@
 # REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
 # llamacpp: a CUDA (sm_90, no FlashAttention kernels) build of
 # llama-cpp-python from the sdist staged by scripts/stage_llamacpp_cuda.sh (carry .llamacpp) into
-# .llamacpp-site (once per machine, or carried back: the build comes back as OUT/llamacpp-site.tgz.part*;
-# unpack with `cat OUT/llamacpp-site.tgz.part* | tar xzf -`; steps after it, e.g. report, run llama.cpp
-# from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
+# .llamacpp-site (once per machine: about 4.5 min; compressed it is 180 MB, more than a call can carry
+# or send back, so a cold machine builds again; steps after it in the same call, e.g. report, run
+# llama.cpp from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
 # Each step prints a short table and keeps going if another fails.
@@ -48,8 +48,7 @@ for step in "${STEPS[@]}"; do
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
-               --variants early_read_fraction=0 early_read_fraction=0.25 initial_chunk=2,load_ahead_layers=1 \
-               eviction=popularity 2>&1 \
+               --variants ${OFFLOAD_VARIANTS:-spare_rows=0 spare_rows=8 early_read_fraction=0 spare_rows=4} 2>&1 \
                | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
              python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" 2>&1 \
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
@@ -78,10 +77,7 @@ for step in "${STEPS[@]}"; do
                   && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
                      CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "${LLAMA_BUILD_S:-420}" python3 -m pip install -q \
                      --no-index --no-deps --no-build-isolation --target "$LLAMA_SITE" "$sdist" > "$OUT/llamacpp_build.log" 2>&1
-                rc=$?; tail -n 5 "$OUT/llamacpp_build.log"
-                if [ "$rc" = 0 ]; then  # back in <= 15 MiB parts: cat them | tar xzf - here, then carry .llamacpp-site
-                  tar czf - .llamacpp-site | split -b 15m -d - "$OUT/llamacpp-site.tgz.part"; du -ch "$OUT"/llamacpp-site.tgz.part* | tail -1
-                fi
+                rc=$?; tail -n 5 "$OUT/llamacpp_build.log"; du -sh "$LLAMA_SITE"
               fi
               if [ "$rc" = 0 ]; then
                 export PYTHONPATH="$LLAMA_SITE:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST="$sdist"

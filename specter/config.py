@@ -32,6 +32,9 @@ class SpecterConfig:
       slots that hold nothing they plan to use); 0 turns loads ahead off.
     copy_streams: 1, or 2 to put copies into slots still in use on their own stream, so copies into free
       slots never queue behind them (H2D bandwidth is shared; measured GB/s is then per stream).
+    spare_rows: device rows for experts beyond the slots, shared by all layers (taken from the budget's
+      workspace): a load lands in the spare released longest ago and its victim's row becomes a spare,
+      so a copy never waits for the kernels still reading its victim (0: copies go into the victim's row).
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
     max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
@@ -53,6 +56,7 @@ class SpecterConfig:
     verify_wave: int = 0
     load_ahead_layers: int = 2
     copy_streams: int = 1
+    spare_rows: int = 4
     cuda_graph: bool = True
     max_cache_len: int = 256
 
@@ -69,9 +73,10 @@ class SpecterConfig:
         for name in ("initial_chunk", "prefetch_chunk"):
             if getattr(self, name) < 1:
                 raise SpecterError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.verify_wave < 0 or self.load_ahead_layers < 0 or self.copy_streams not in (1, 2):
-            raise SpecterError(f"verify_wave and load_ahead_layers must be >= 0 and copy_streams 1 or 2, got "
-                               f"{self.verify_wave}, {self.load_ahead_layers}, {self.copy_streams}")
+        if min(self.verify_wave, self.load_ahead_layers, self.spare_rows) < 0 or self.copy_streams not in (1, 2):
+            raise SpecterError(f"verify_wave, load_ahead_layers and spare_rows must be >= 0 and copy_streams 1 or 2, "
+                               f"got {self.verify_wave}, {self.load_ahead_layers}, {self.spare_rows}, "
+                               f"{self.copy_streams}")
         if not 0.0 <= self.early_read_fraction <= 1.0:
             raise SpecterError(f"early_read_fraction must be in [0, 1], got {self.early_read_fraction}")
         if not 0.0 < self.top_p <= 1.0:

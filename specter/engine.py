@@ -155,7 +155,8 @@ class SpecterEngine:
         if slots is None:
             return None
         cfg = self.config
-        options = VerifyOptions(cfg.expert_wise, cfg.verify_wave, cfg.load_ahead_layers, cfg.copy_streams)
+        options = VerifyOptions(cfg.expert_wise, cfg.verify_wave, cfg.load_ahead_layers, cfg.copy_streams,
+                                cfg.spare_rows)
         return offload_experts(self.model, slots, cfg.eviction, options)
 
     def _reset(self) -> None:

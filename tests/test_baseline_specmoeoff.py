@@ -52,7 +52,7 @@ def test_draft_and_target_share_no_weights_and_no_kv():
     target_state, draft_state = system.prefill(ids, NEW)
     system.speculate(target_state, draft_state, 3, DecodeMetrics(model.device))
     runtime = model.offload
-    target = [*model.hf.parameters(), *model.hf.buffers(), *runtime.cache.buffers, *runtime.store.buffers]
+    target = [*model.hf.parameters(), *model.hf.buffers(), runtime.cache.pool, *runtime.store.buffers]
     assert not storages(draft_tensors(draft)) & storages(target)
     assert draft_state.cache is not target_state.cache
     kv, draft_kv = ([t for layer in state.cache.layers for t in (layer.keys, layer.values)]

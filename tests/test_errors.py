@@ -59,7 +59,7 @@ def test_bad_sampling_settings():
 
 @pytest.mark.parametrize("field", [dict(verify_wave=-1), dict(load_ahead_layers=-1), dict(copy_streams=3),
                                    dict(initial_chunk=0), dict(prefetch_chunk=0), dict(early_read_fraction=-0.1),
-                                   dict(early_read_fraction=1.5)])
+                                   dict(early_read_fraction=1.5), dict(spare_rows=-1)])
 def test_bad_offload_knobs(field):
     with pytest.raises(SpecterError, match="must be"):
         specter.SpecterConfig(**field)

@@ -11,12 +11,30 @@ from specter.offload.streams import DeviceStreams
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 8, 4
 
 
-def make_cache(slots: int, policy: str = "lru") -> ExpertCache:
+def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=None) -> ExpertCache:
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
         gate_up = torch.arange(EXPERTS * 2 * INTER * HIDDEN, dtype=torch.float32).view(EXPERTS, 2 * INTER, HIDDEN)
         store.put_layer(layer, gate_up + 1000 * layer, -gate_up[:, :HIDDEN, :INTER] - 1000 * layer)
-    return ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")), policy)
+    streams = streams or DeviceStreams(torch.device("cpu"))
+    return ExpertCache(store, slots, torch.device("cpu"), streams, policy, spare_rows)
+
+
+class EventLog:
+    """Stand-in streams: events are increasing ints; every copy's pool row and the event it waited for."""
+
+    def __init__(self) -> None:
+        self.events, self.copies = 0, []  # copies: (row, after)
+        self.pool = None
+
+    def record(self) -> int:
+        self.events += 1
+        return self.events
+
+    def copy(self, dst, src, after=None, demand=False, previous=None) -> int:
+        dst.copy_(src)
+        self.copies.append(((dst.data_ptr() - self.pool.data_ptr()) // (dst.numel() * dst.element_size()), after))
+        return self.record()
 
 
 def use(cache: ExpertCache, layer: int, expert: int) -> int:
@@ -36,7 +54,8 @@ def test_store_rows_are_contiguous_experts():
 
 def test_exact_slot_count_and_lru_order():
     cache = make_cache(2)
-    assert all(b.shape == (2, cache.store.numel) for b in cache.buffers)
+    assert cache.pool.shape == (LAYERS * 2, cache.store.numel)
+    assert make_cache(2, spare_rows=3).pool.shape == (LAYERS * 2 + 3, cache.store.numel)
     use(cache, 0, 0)
     use(cache, 0, 1)
     use(cache, 0, 0)  # hit: expert 1 is now least recently used
@@ -69,10 +88,11 @@ def test_protected_slot_is_never_evicted():
     assert not cache.prefetch(0, 4)
 
 
-def test_randomized_plans_and_demands_never_evict_protected():
+@pytest.mark.parametrize("spare_rows", [0, 2])
+def test_randomized_plans_and_demands_never_evict_protected(spare_rows):
     rng = random.Random(0)
     for policy in ("lru", "lookahead", "popularity"):
-        cache = make_cache(3, policy)
+        cache = make_cache(3, policy, spare_rows)
         cache.routing_counts.update({layer: [rng.randrange(9) for _ in range(EXPERTS)] for layer in range(LAYERS)})
         held: list[tuple[int, int, int]] = []  # (layer, expert, slot)
         for _ in range(2000):
@@ -165,3 +185,45 @@ def test_reloads_are_counted_by_what_evicted_the_expert_in_the_same_window():
     cache.begin_window()  # an eviction of an earlier window is not a reload of this one
     use(cache, 0, 1)
     assert cache.counters["reloads_after_verify"] == 0 and cache.counters["evictions"] == 5
+
+
+def test_a_load_takes_the_oldest_spare_row_and_its_victims_row_becomes_spare():
+    cache = make_cache(1, spare_rows=2)  # rows: layer 0 slot 0 = 0, layer 1 slot 0 = 1, spares 2 and 3
+    assert [cache.row(0, 0), cache.row(1, 0)] == [0, 1] and [r.row for r in cache.spares] == [2, 3]
+    use(cache, 0, 4)
+    assert cache.row(0, 0) == 2 and [r.row for r in cache.spares] == [3, 0]
+    use(cache, 1, 5)
+    assert cache.row(1, 0) == 3 and [r.row for r in cache.spares] == [0, 1]
+    use(cache, 0, 1)  # evicts expert 4 (row 2): row 2 waits as a spare behind rows 0 and 1
+    assert cache.row(0, 0) == 0 and [r.row for r in cache.spares] == [1, 2]
+    assert torch.equal(cache.weights(0, 0)[0], cache.store.split(cache.store.expert(0, 1))[0])
+    cache.reset()
+    assert [cache.row(0, 0), cache.row(1, 0)] == [0, 1] and [r.row for r in cache.spares] == [2, 3]
+
+
+@pytest.mark.parametrize("spare_rows", [0, 1, 3])
+def test_every_copy_waits_for_the_last_reader_of_the_row_it_writes(spare_rows):
+    """A randomized stress of loads, prefetches and releases: each copy waits for the last launch that read
+    the pool row it overwrites (with spares, that is not its victim's row), and every row belongs to
+    exactly one slot or spare."""
+    rng, log = random.Random(1), EventLog()
+    cache = make_cache(2, "lru", spare_rows, streams=log)
+    log.pool = cache.pool
+    last_reader: dict[int, int] = {}  # pool row -> event of the last release that read it
+    held: list[tuple[int, int]] = []  # (layer, slot)
+    for _ in range(1500):
+        layer, expert = rng.randrange(LAYERS), rng.randrange(EXPERTS)
+        copies = len(log.copies)
+        if rng.random() < 0.3:
+            cache.prefetch(layer, expert)
+        elif rng.random() < 0.6 and sum(1 for lay, _ in held if lay == layer) < 2:
+            held.append((layer, cache.acquire(layer, expert)))
+        elif held:
+            lay, slot = held.pop(rng.randrange(len(held)))
+            row = cache.row(lay, slot)
+            cache.release(lay, slot)
+            last_reader[row] = log.events
+        for row, after in log.copies[copies:]:
+            assert after == last_reader.get(row), f"a copy into row {row} did not wait for its last reader"
+        rows = [cache.row(lay, s) for lay in range(LAYERS) for s in range(2)] + [r.row for r in cache.spares]
+        assert sorted(rows) == list(range(LAYERS * 2 + spare_rows))

@@ -67,7 +67,7 @@ def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
         slots = model.spec.mem_presets[mem]
         out = specter.SpecterEngine(model, specter.SpecterConfig(k=16, resident_experts_per_layer=slots)).generate(ids, 24)
         assert len(out.token_ids) == 24 and out.stats["misses"] > 0
-        assert model.offload.cache.buffers[0].shape[0] == slots
+        assert model.offload.cache.pool.shape[0] == model.num_moe_layers * slots + model.offload.cache.spare_rows
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])

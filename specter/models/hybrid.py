@@ -106,7 +106,7 @@ class HybridMoEModel:
             if mode == DRAFT:
                 tensors.update({f"experts.{i}.draft.{n}": t for n, t in m.named_buffers() if n.startswith("draft")})
             elif self.offload is not None:
-                tensors[f"experts.{i}.slots"] = self.offload.cache.buffers[i]
+                tensors["experts.slot_pool"] = self.offload.cache.pool  # every layer's slots
             else:
                 tensors.update({f"experts.{i}.gate_up_proj": m.gate_up_proj, f"experts.{i}.down_proj": m.down_proj})
         return tensors

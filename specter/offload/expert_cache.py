@@ -1,8 +1,9 @@
 """Expert cache: a fixed number of FP16 slots per MoE layer on the device, LRU, protection, event-guarded reuse."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,8 @@ class LayerSlots:
     """Residency state of one layer's slots."""
 
     size: int
+    first_row: int = 0  # the pool row of slot 0 before any load (the slots start on consecutive rows)
+    rows: list = field(default_factory=list)  # slot -> pool row holding its expert
     expert_of: list = field(default_factory=list)  # slot -> expert id or None
     slot_of: dict = field(default_factory=dict)  # expert id -> slot
     lru: OrderedDict = field(default_factory=OrderedDict)  # slots, least recently used first
@@ -32,6 +35,7 @@ class LayerSlots:
 
     def clear(self) -> None:
         n = self.size
+        self.rows = list(range(self.first_row, self.first_row + n))
         self.expert_of, self.slot_of = [None] * n, {}
         self.lru = OrderedDict((s, None) for s in range(n))
         self.protected, self.ready, self.last_use, self.loaded_by = [0] * n, [None] * n, [None] * n, [None] * n
@@ -97,6 +101,14 @@ class PopularityPolicy(LRUPolicy):
 POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy, "popularity": PopularityPolicy}
 
 
+class SpareRow(NamedTuple):
+    """A pool row that holds no resident expert: free once `last_use` (its last reader) has passed."""
+
+    row: int
+    last_use: object  # event after the last kernel reading it, or None
+    ready: object  # its last copy's event, or None
+
+
 class NoFreeSlot(RuntimeError):
     """Every slot of the layer is protected: compute queued work first, then load."""
 
@@ -107,18 +119,28 @@ class ExpertCache:
     `acquire` makes an expert resident (loading it on a miss) and protects its slot; `release`
     records the last-use event and unprotects it. A slot is overwritten only after its last-use
     event (the copy stream waits for it), so no kernel ever reads a slot being refilled.
+
+    Every slot is a row of one device pool [layers x slots + spare_rows, 3*I*H]. With spare rows (shared
+    by all layers, as Mixtral-Offloading's staging buffers), a load lands in the spare row released
+    longest ago and the victim's row becomes a spare (a pointer swap): the copy waits for that spare's
+    last readers, not for the kernels still reading the victim, so the copy stream need not idle while
+    a verify wave computes. A layer still holds exactly `slots_per_layer` experts.
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
-                 streams: DeviceStreams, policy: str = "lru") -> None:
+                 streams: DeviceStreams, policy: str = "lru", spare_rows: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {policy!r}; known: {', '.join(POLICIES)}")
+        if spare_rows < 0:
+            raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
+        self.spare_rows = spare_rows
         self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens the target routed to each expert
         self.policy = POLICIES[policy](self.routing_counts)
-        self.buffers = [torch.empty(slots_per_layer, store.numel, dtype=store.dtype, device=device)
-                        for _ in range(store.num_layers)]
-        self.layers = [LayerSlots(slots_per_layer) for _ in range(store.num_layers)]
+        rows = store.num_layers * slots_per_layer + spare_rows
+        self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
+        self.layers = [LayerSlots(slots_per_layer, first_row=layer * slots_per_layer)
+                       for layer in range(store.num_layers)]
         self.predicted: dict[int, set] = {}  # layer -> experts the current draft window predicts
         self.window_plan: dict[int, set] = {}  # layer -> experts prefetched for the current window
         self.verify_plan: dict[int, list] = {}  # layer -> the draft's routing of the window being verified
@@ -128,6 +150,8 @@ class ExpertCache:
         """Empty every slot (the same initial state before each input) and zero the counters."""
         for slots in self.layers:
             slots.clear()
+        first_spare = len(self.layers) * self.slots_per_layer
+        self.spares = deque(SpareRow(row, None, None) for row in range(first_spare, first_spare + self.spare_rows))
         self.predicted, self.window_plan, self.verify_plan = {}, {}, {}
         self.routing_counts.clear()  # (the policy holds this dict)
         self.releases = 0  # launches whose slots were released (LayerSlots.released numbers them)
@@ -142,7 +166,15 @@ class ExpertCache:
 
     @property
     def device_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return self.pool.numel() * self.pool.element_size()
+
+    def free(self) -> None:
+        """Drop the device pool (before a new cache is allocated in its place); the cache is unusable after."""
+        self.pool = torch.empty(0, self.store.numel, dtype=self.store.dtype, device=self.pool.device)
+
+    def row(self, layer: int, slot: int) -> int:
+        """The pool row that holds `slot`'s expert (it changes when the slot is loaded with spare rows)."""
+        return self.layers[layer].rows[slot]
 
     def slot_of(self, layer: int, expert: int) -> int | None:
         return self.layers[layer].slot_of.get(expert)
@@ -262,7 +294,7 @@ class ExpertCache:
 
     def weights(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) views of a slot."""
-        return self.store.split(self.buffers[layer][slot])
+        return self.store.split(self.pool[self.row(layer, slot)])
 
     def _load(self, layer: int, expert: int, reason: str, slot: int | None = None, cause: str = "verify") -> int:
         slots = self.layers[layer]
@@ -278,7 +310,19 @@ class ExpertCache:
         if earlier is not None:
             self.counters[f"reloads_after_{earlier}"] += 1
         slots.expert_of[slot], slots.slot_of[expert], slots.loaded_by[slot] = expert, slot, reason
-        slots.ready[slot] = self.streams.copy(self.buffers[layer][slot], self.store.expert(layer, expert),
-                                              after=slots.last_use[slot], demand=reason == DEMAND,
-                                              previous=slots.ready[slot])
+        target = self._swap_in_spare(slots, slot)
+        slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert),
+                                              after=target.last_use, demand=reason == DEMAND,
+                                              previous=target.ready)
         return slot
+
+    def _swap_in_spare(self, slots: LayerSlots, slot: int) -> SpareRow:
+        """The row a load into `slot` writes: the spare released longest ago, the slot's old row becoming a
+        spare (free once its readers are done); without spares, the slot's own row."""
+        own = SpareRow(slots.rows[slot], slots.last_use[slot], slots.ready[slot])
+        if not self.spares:
+            return own
+        spare = self.spares.popleft()
+        self.spares.append(own)
+        slots.rows[slot], slots.last_use[slot] = spare.row, spare.last_use
+        return spare

@@ -60,12 +60,14 @@ def move_experts_to_store(model) -> HostExpertStore:
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """How verification streams experts (SpecterConfig's verify_wave, load_ahead_layers, copy_streams)."""
+    """How verification streams experts (SpecterConfig's verify_wave, load_ahead_layers, copy_streams,
+    spare_rows; a change of spare_rows allocates a new cache)."""
 
     expert_wise: bool = True
     wave: int = 0
     ahead_layers: int = 2
     copy_streams: int = 1
+    spare_rows: int = 4
 
 
 def offload_experts(model, slots: int, policy: str = "lru", options: VerifyOptions | None = None) -> OffloadRuntime:
@@ -79,7 +81,9 @@ def offload_experts(model, slots: int, policy: str = "lru", options: VerifyOptio
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
     options = options or VerifyOptions()
     runtime = model.offload
-    if runtime is not None and runtime.cache.slots_per_layer == slots and runtime.cache.policy.name == policy:
+    cache = None if runtime is None else runtime.cache
+    if cache is not None and (cache.slots_per_layer, cache.policy.name, cache.spare_rows) == (
+            slots, policy, options.spare_rows):
         _configure(runtime, options)
         return runtime
     if model.host_store is None:
@@ -89,9 +93,9 @@ def offload_experts(model, slots: int, policy: str = "lru", options: VerifyOptio
         streams = DeviceStreams(model.device)
     else:
         streams = runtime.streams
-        runtime.cache.buffers.clear()  # free the old slots before allocating the new ones
+        runtime.cache.free()  # free the old slots before allocating the new ones
         release_device_memory()
-    cache = ExpertCache(store, slots, model.device, streams, policy)
+    cache = ExpertCache(store, slots, model.device, streams, policy, options.spare_rows)
     runtime = OffloadRuntime(store, streams, cache, ResidencyManager(cache))
     _configure(runtime, options)
     for module in model.experts:

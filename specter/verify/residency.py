@@ -155,17 +155,17 @@ class ResidencyManager:
         return wave
 
     def _run_wave(self, step: LayerPass, wave: list[tuple[int, int]]) -> None:
-        """All experts of a wave in one kernel call over the layer's slot buffer, then release their slots."""
+        """All experts of a wave in one kernel call over the cache's pool, then release their slots."""
         if not wave:
             return
         module, layer, cache, hidden = step.module, step.module.moe_layer, self.cache, step.hidden
         cache.streams.wait_all([cache.ready_event(layer, slot) for _, slot in wave])
-        slot_map = [-1] * module.num_experts  # [E] expert -> slot in this wave
+        row_map = [-1] * module.num_experts  # [E] expert -> its slot's pool row in this wave
         for expert, slot in wave:
-            slot_map[expert] = slot
-        slot_of_expert = torch.tensor(slot_map, dtype=torch.long, pin_memory=hidden.is_cuda)  # pinned: async copy
+            row_map[expert] = cache.row(layer, slot)
+        row_of_expert = torch.tensor(row_map, dtype=torch.long, pin_memory=hidden.is_cuda)  # pinned: async copy
         run = slot_moe_rows if step.alignment is not None else slot_moe_rows_reference
-        run(hidden, step.top_k_index, cache.buffers[layer], slot_of_expert.to(hidden.device, non_blocking=True),
+        run(hidden, step.top_k_index, cache.pool, row_of_expert.to(hidden.device, non_blocking=True),
             module.intermediate_dim, step.rows, module.act_fn, workspace=VERIFY_WORKSPACE, alignment=step.alignment)
         cache.release_all(layer, [slot for _, slot in wave])
 
