@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from experiments.records import RecordWriter, record, unavailable
 from specter.errors import SpecterError
+from specter.metrics import gc_paused
 
 WARMUP_TOKENS = 4
 
@@ -89,7 +90,8 @@ def _run_case(systems: list, key: dict, ids: torch.Tensor, max_new_tokens: int, 
     for system in systems:
         if not writer.done({**key, "system": system.name}):
             tokens = min(max_new_tokens, int(token_caps.get(system.name) or max_new_tokens))
-            results[system.name] = system.generate(ids, tokens)
+            with gc_paused():
+                results[system.name] = system.generate(ids, tokens)
     reference = results["target_only"].token_ids if "target_only" in results else None
     for name, result in results.items():
         check = None if name == "target_only" or reference is None else reference[: len(result.token_ids)]

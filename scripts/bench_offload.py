@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import specter  # noqa: E402
 from baselines.target_only import TargetOnly  # noqa: E402
+from specter.metrics import gc_paused  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -38,7 +39,10 @@ WARMUP_TOKENS = 40  # several full windows at K <= 16: the first measured system
 def run(system, prompts, new_tokens: int) -> list[dict]:
     """One warm-up, then each prompt once; stats plus the tokens."""
     system.generate(prompts[0], min(new_tokens, WARMUP_TOKENS))
-    results = [system.generate(ids, new_tokens) for ids in prompts]
+    results = []
+    for ids in prompts:
+        with gc_paused():
+            results.append(system.generate(ids, new_tokens))
     return [dict(r.stats, tokens=r.token_ids) for r in results]
 
 

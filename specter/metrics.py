@@ -1,12 +1,30 @@
 """Decode metrics: TPOT, TTFT, acceptance rate, accepted lengths, per-phase times."""
 from __future__ import annotations
 
+import gc
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from specter.offload.timeline import Timeline
+
+
+@contextmanager
+def gc_paused():
+    """A timed decode without cyclic garbage collection: collect first, pause, restore the previous state.
+
+    A full collection walks every live Python object (hundreds of thousands once a model is loaded) and
+    would land inside a measurement at random; benchmarks wrap every system's generate() alike."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass

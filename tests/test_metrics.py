@@ -1,7 +1,10 @@
-"""Metric definitions: TPOT, acceptance counting."""
+"""Metric definitions: TPOT, acceptance counting; garbage collection paused around timed decodes."""
+import gc
 import math
 
-from specter.metrics import acceptance_stats, tpot_ms
+import pytest
+
+from specter.metrics import acceptance_stats, gc_paused, tpot_ms
 
 
 def test_tpot_is_span_over_n_minus_one():
@@ -20,3 +23,16 @@ def test_rejected_window_counts_the_rejected_position_as_checked():
 
 def test_no_windows():
     assert math.isnan(acceptance_stats([])["acceptance_rate"])
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_gc_paused_pauses_collection_and_restores_the_previous_state(enabled_before):
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with pytest.raises(RuntimeError):
+            with gc_paused():
+                assert not gc.isenabled()
+                raise RuntimeError("a failing decode")
+        assert gc.isenabled() == enabled_before
+    finally:
+        gc.enable()
