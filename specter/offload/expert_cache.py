@@ -117,8 +117,9 @@ class ExpertCache:
     """Exactly `slots_per_layer` FP slots per MoE layer, allocated once on the device.
 
     `acquire` makes an expert resident (loading it on a miss) and protects its slot; `release`
-    records the last-use event and unprotects it. A slot is overwritten only after its last-use
-    event (the copy stream waits for it), so no kernel ever reads a slot being refilled.
+    records the last-use event and unprotects it. A copy overwrites a device row only after the
+    last-use event of that row's last readers (the copy stream waits for it), so no kernel ever reads a
+    row being refilled.
 
     Every slot is a row of one device pool [layers x slots + spare_rows, 3*I*H]. With spare rows (shared
     by all layers, as Mixtral-Offloading's staging buffers), a load lands in the spare row released
