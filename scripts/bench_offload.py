@@ -49,7 +49,8 @@ def run(system, prompts, new_tokens: int) -> list[dict]:
 def warm_up_first_use(systems: list, prompts, new_tokens: int) -> None:
     """Untimed: the first Specter system decodes every prompt in full once, so that what compiles or
     allocates on first use (Triton specialisations of the verify kernels for new shapes) is not charged to
-    the first measured row (the first row of every H200 call measured 1-3 ms/token slower before this)."""
+    the first measured row. (The first row of every H200 call measured 1-3 ms/token slower; this warm-up
+    alone did not change that in session 8, pausing the GC around timed decodes did: `gc_paused`.)"""
     t0 = time.time()
     first = next((system for _, system in systems if isinstance(system, specter.SpecterEngine)), None)
     for ids in prompts if first is not None else []:

@@ -9,7 +9,7 @@ import torch
 
 class CopyRecord(NamedTuple):
     """One expert copy: its start and end (events on CUDA, perf_counter on CPU), bytes, and the event it
-    waited for (the slot's last use; None if none)."""
+    waited for (the last use of the device row it writes; None if none)."""
 
     start: object
     end: object
@@ -21,7 +21,7 @@ class DeviceStreams:
     """All stream/event handling of expert I/O lives here.
 
     On CUDA: copies go to a dedicated copy stream (pinned source, non_blocking), each copy first waits
-    for the destination slot's last-use event and records a ready event; compute waits on ready events
+    for the destination row's last-use event and records a ready event; compute waits on ready events
     with `wait_event` (no host synchronisation). On CPU everything is synchronous and events are None.
     """
 
@@ -49,10 +49,10 @@ class DeviceStreams:
         return torch.cuda.current_stream(self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, demand: bool = False, previous=None):
-        """dst <- src on the copy stream once `after` (the slot's last use) has passed; returns the ready event.
+        """dst <- src on the copy stream once `after` (dst's row's last use) has passed; returns its ready event.
 
         With `split_waiting_copies`, a copy whose `after` has not passed yet goes to a second stream, so
-        copies into free slots do not queue behind it; it then also waits for `previous` (the slot's last
+        copies into free slots do not queue behind it; it then also waits for `previous` (the row's last
         copy, which may be on the other stream). On CPU the copy is synchronous; a `demand` copy (compute
         is waiting for it) counts as a stall.
         """
@@ -71,7 +71,7 @@ class DeviceStreams:
             stream = self.waiting_stream if after is not None and not after.query() else self.copy_stream
             for event in (after, previous):
                 if event is not None:
-                    stream.wait_event(event)  # the slot's last copy may be on the other stream
+                    stream.wait_event(event)  # the row's last copy may be on the other stream
         elif after is not None:
             stream.wait_event(after)
         compute = self.compute_stream()
@@ -152,7 +152,7 @@ class DeviceStreams:
 
     def copy_spans_ms(self, timeline) -> list[tuple[float, float, float | None]]:
         """(start, end, slot free) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it
-        waits); slot free: when the event the copy waited for (its slot's last use) passed, None if none."""
+        waits); slot free: when the event the copy waited for (its row's last use) passed, None if none."""
         self.synchronize()
         at = lambda event: None if event is None else timeline.offset_ms(event, wait=False)  # noqa: E731
         return [(at(c.start), at(c.end), at(c.after)) for c in self._copies]
