@@ -95,6 +95,30 @@ def figure13_routing(root: Path, out: Path) -> list[Path]:
     return _save(fig, pd.concat([sets.assign(kind="working_set"), js.assign(kind="js")]), out, "fig13_routing")
 
 
+def locality_figure(data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
+    """Hit rate vs cache size (rho x top_k) per eviction policy: measured (solid) against the real model (dashed)."""
+    curves = data[data.metric != "draft_topk_recall"]
+    policies = list(dict.fromkeys(curves.metric))
+    fig, axes = plt.subplots(1, len(policies), figsize=(3.2 * len(policies), 3.2), squeeze=False, sharey=True)
+    for ax, policy in zip(axes[0], policies):
+        for model, rows in curves[curves.metric == policy].groupby("model"):
+            line, = ax.plot(rows.rho, rows.measured, marker="o", label=f"{model} measured")
+            real = rows.dropna(subset=["real"])
+            if not real.empty:
+                ax.plot(real.rho, real.real, ls="--", color=line.get_color(), label=f"{model} real")
+        ax.set(xlabel="cache size / top-k (rho)", title=policy, ylim=(0, 1.05))
+    axes[0][0].set_ylabel("hit rate")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Routing locality: measured vs real checkpoint")
+    return _save(fig, data, out, stem)
+
+
+def figure_routing_locality(root: Path, out: Path) -> list[Path]:
+    """Every routing run's locality curves against the real checkpoints'."""
+    data = _summaries(root, "routing", "routing_locality.csv")
+    return [] if data.empty else locality_figure(data.assign(model=data.run), out, "routing_locality")
+
+
 def figure14_main(root: Path, out: Path) -> list[Path]:
     """TPOT per dataset and system, one panel per model/memory run."""
     data = _measured(root, "main")
@@ -190,8 +214,8 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-FIGURES = (figure7_depth, figure11_kernel, figure13_routing, figure14_main, figure15_batch, figure16_working_set,
-           table3_batch)
+FIGURES = (figure7_depth, figure11_kernel, figure13_routing, figure_routing_locality, figure14_main, figure15_batch,
+           figure16_working_set, table3_batch)
 
 
 def render_all(root: Path) -> list[Path]:

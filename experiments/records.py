@@ -14,7 +14,7 @@ ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_l
              "h2d_bytes_per_token", "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
              "prefetch_precision", "prefetch_recall", "throughput_tok_s")
 KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size")
-FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target")
+FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target", "token_agreement")
 
 
 def record(key: dict, result: GenerationResult, reference: list[int] | None) -> dict:
@@ -23,7 +23,14 @@ def record(key: dict, result: GenerationResult, reference: list[int] | None) -> 
     row.update({stat: result.stats.get(stat, float("nan")) for stat in ROW_STATS})
     row["accepted_length_histogram"] = json.dumps(result.stats.get("accepted_length_histogram", {}))
     row["tokens_match_target"] = "" if reference is None else ("yes" if result.token_ids == reference else "no")
+    row["token_agreement"] = "" if reference is None else token_agreement(result.token_ids, reference)
     return row
+
+
+def token_agreement(tokens: list[int], reference: list[int]) -> float:
+    """Fraction of the reference's positions where `tokens` holds the same token."""
+    same = sum(a == b for a, b in zip(tokens, reference))
+    return round(same / max(len(reference), 1), 4)
 
 
 def unavailable(key: dict, reason: str) -> dict:
@@ -78,11 +85,15 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
         return missing.drop_duplicates().reset_index(drop=True)
     for col in ROW_STATS:
         ok[col] = pd.to_numeric(ok[col], errors="coerce")
-    metrics = {"tpot_ms": "mean", "ttft_ms": "mean", "acceptance_rate": "mean", "mean_accepted_length": "mean",
+    ok["token_agreement"] = pd.to_numeric(ok.get("token_agreement", pd.Series(index=ok.index, dtype=float)),
+                                          errors="coerce")
+    metrics = {"tpot_ms": "mean", "tpot_median_ms": "median", "tpot_min_ms": "min", "tpot_max_ms": "max",
+               "ttft_ms": "mean", "acceptance_rate": "mean", "mean_accepted_length": "mean",
                "hit_rate": "mean", "h2d_bytes_per_token": "mean", "prompt_id": "nunique"}
-    for optional in ("throughput_tok_s", "working_set_mean"):  # batch experiment columns
+    for optional in ("throughput_tok_s", "working_set_mean", "token_agreement"):  # batch / checked columns
         if ok[optional].notna().any():
             metrics[optional] = "mean"
+    ok = ok.assign(tpot_median_ms=ok.tpot_ms, tpot_min_ms=ok.tpot_ms, tpot_max_ms=ok.tpot_ms)
     summary = ok.groupby(list(by), sort=False).agg(metrics).reset_index().rename(columns={"prompt_id": "prompts"})
     summary["h2d_mb_per_token"] = summary.pop("h2d_bytes_per_token") / 1e6
     summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]

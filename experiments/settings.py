@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
-from specter.models.loading import checkpoint_dir, hf_config, load_model
+from specter.models.calibrated import routing_profile
+from specter.models.loading import WEIGHTS, checkpoint_dir, hf_config, load_model, with_layers
 from specter.models.registry import ModelSpec, get_spec
 from specter.offload.budget import plan_memory
 
@@ -29,6 +30,8 @@ class ModelChoice:
     device: str | None
     dtype: torch.dtype | None
     draft: str | None = None
+    weights: str = "checkpoint"  # checkpoint | synthetic | calibrated
+    layers: int | None = None  # synthetic/calibrated depth override
 
     @property
     def source(self) -> str:
@@ -37,12 +40,19 @@ class ModelChoice:
 
 def model_choice(cfg) -> ModelChoice:
     spec = get_spec(cfg.model.name)
-    if cfg.model.weights not in ("synthetic", "checkpoint"):
-        raise SpecterError(f"model.weights must be 'synthetic' or 'checkpoint', got {cfg.model.weights!r}")
-    synthetic = cfg.model.weights == "synthetic"
+    if cfg.model.weights not in WEIGHTS:
+        raise SpecterError(f"model.weights must be one of {', '.join(WEIGHTS)}, got {cfg.model.weights!r}")
+    synthetic = cfg.model.weights != "checkpoint"
     if synthetic and cfg.model.checkpoint is not None:
-        raise SpecterError(f"model.checkpoint={cfg.model.checkpoint} is given but model.weights=synthetic builds random "
-                           f"weights: pass model.weights=checkpoint (full-size models) or drop model.checkpoint")
+        raise SpecterError(f"model.checkpoint={cfg.model.checkpoint} is given but model.weights={cfg.model.weights} "
+                           f"builds seeded weights: pass model.weights=checkpoint (full-size models) or drop "
+                           f"model.checkpoint")
+    layers = cfg.model.get("layers")
+    if layers is not None and not synthetic:
+        raise SpecterError("model.layers rebuilds the architecture at another depth: it needs model.weights=synthetic "
+                           "or calibrated")
+    if cfg.model.weights == "calibrated":
+        routing_profile(spec)
     if not synthetic and not spec.is_tiny and cfg.model.checkpoint is None and not checkpoint_dir(spec).exists():
         raise SpecterError(f"no checkpoint for {spec.name!r} at {checkpoint_dir(spec)}: run `python "
                            f"initialization/download_models.py --manifest initialization/model-assets.json --output "
@@ -55,7 +65,9 @@ def model_choice(cfg) -> ModelChoice:
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     checkpoint = None if synthetic or cfg.model.checkpoint is None else str(cfg.model.checkpoint)
     draft = None if cfg.model.get("draft") is None else str(cfg.model.draft)
-    return ModelChoice(spec, synthetic, checkpoint, device, dtype, draft)
+    if layers is not None:
+        with_layers(spec, layers)  # validates the depth before anything loads
+    return ModelChoice(spec, synthetic, checkpoint, device, dtype, draft, cfg.model.weights, layers)
 
 
 def resident_slots(cfg, spec: ModelSpec) -> int:
@@ -121,6 +133,7 @@ def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
     """run.json: resolved config, git commit, device, package versions, and whether the run finished."""
     info = {
         "complete": complete,
+        "workload": workload(cfg),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "git_commit": _git_commit(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -128,6 +141,15 @@ def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
                                                        "hydra-core", "datasets")},
     }
     (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def workload(cfg) -> str:
+    """Which weights a run's numbers come from, in words (also in run.json and the printed header)."""
+    depth = "" if cfg.model.get("layers") is None else f", {cfg.model.layers} layers"
+    kind = {"checkpoint": "checkpoint", "synthetic": "synthetic (seeded random) weights",
+            "calibrated": "calibrated weights (real routing locality and acceptance)"}.get(cfg.model.weights,
+                                                                                          cfg.model.weights)
+    return f"{cfg.model.name}: {kind}{depth}"
 
 
 def _git_commit() -> str | None:
@@ -150,13 +172,15 @@ def load(cfg):
     """(model, SpecterConfig) of the run."""
     choice = model_choice(cfg)
     config = specter_config(cfg, choice.spec)
-    model = load_model(choice.source, synthetic=choice.synthetic, device=choice.device,
-                       dtype=choice.dtype, seed=int(cfg.seed), draft=choice.draft)
+    model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=int(cfg.seed),
+                       draft=choice.draft, weights=choice.weights if choice.synthetic else None,
+                       num_layers=choice.layers)
     return model, config
 
 
 def header(model, config, cfg, what: str) -> str:
     """The line printed above a run's summary table."""
-    return (f"{what}: {model.spec.name} ({cfg.model.weights}), K={config.k}, {config.resident_experts_per_layer} "
+    depth = "" if cfg.model.get("layers") is None else f", {cfg.model.layers} layers"
+    return (f"{what}: {model.spec.name} ({cfg.model.weights} weights{depth}), K={config.k}, {config.resident_experts_per_layer} "
             f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
             f"{cfg.max_new_tokens} tokens on {model.device}")

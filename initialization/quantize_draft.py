@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="registered name (tiny, tiny-qwen, dsv2, ...) or HF checkpoint dir")
     p.add_argument("--synthetic", action="store_true", default=None,
                    help="build the registered architecture with seeded random weights (default for tiny models)")
+    p.add_argument("--weights", choices=("synthetic", "calibrated"), default=None,
+                   help="seeded weights of a registered model: synthetic (random) or calibrated (real routing "
+                        "locality; see README)")
+    p.add_argument("--layers", type=int, default=None, help="with --weights: build this many decoder layers")
     p.add_argument("--seed", type=int, default=0, help="synthetic-weight seed and calibration sampling seed")
     p.add_argument("--output", required=True, help="new (or empty) directory for draft.safetensors + draft.json")
     p.add_argument("--calibration", choices=("gsm8k", "wikitext2", "text"), default=None,
@@ -170,7 +174,7 @@ def run(args: argparse.Namespace) -> Path:
     kind, path, texts = calibration_texts(args.calibration, args.calibration_file, args.method)
     model = specter.load_model(args.model, synthetic=args.synthetic, device=args.device,
                                dtype=DTYPES[args.dtype] if args.dtype else None, seed=args.seed,
-                               experts_on_host=args.experts_on_host)
+                               experts_on_host=args.experts_on_host, weights=args.weights, num_layers=args.layers)
     if args.method == "gptq":
         ids = calibration_ids(model, texts, args.num_prompts, args.tokens, args.seed)
         if not ids:
@@ -179,7 +183,8 @@ def run(args: argparse.Namespace) -> Path:
     else:
         report = quantize_experts_rtn(model, progress=True)
     extra = {
-        "source": {"model": args.model, "synthetic": args.synthetic, "seed": args.seed,
+        "source": {"model": args.model, "synthetic": args.synthetic, "weights": args.weights, "layers": args.layers,
+                   "seed": args.seed,
                    "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch.")},
         "calibration": {"kind": kind, "file": str(path) if path else None, "num_prompts": args.num_prompts,
                         "tokens": args.tokens},

@@ -22,6 +22,7 @@
 # llama.cpp from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
+# WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,15 +49,16 @@ for step in "${STEPS[@]}"; do
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
+               --weights "${WEIGHTS:-synthetic}" \
                --variants ${OFFLOAD_VARIANTS:-spare_rows=0 spare_rows=8 early_read_fraction=0 spare_rows=4} 2>&1 \
                | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
-             python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" 2>&1 \
+             python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" --weights "${WEIGHTS:-synthetic}" 2>&1 \
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     report) rc=0
             for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
               timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
-                model.weights=synthetic dataset=all \
+                model.weights="${WEIGHTS:-synthetic}" dataset=all \
                 'systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]' \
                 num_prompts="${NUM_PROMPTS:-1}" repeats=1 token_caps.transformers="${TF_CAP:-8}" results_dir="$dir" \
                 resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
@@ -64,7 +66,7 @@ for step in "${STEPS[@]}"; do
             done; done
             tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
     batch) dir="${REPORT_DIR:-.report}/batch-dsv2"; resume=false; [ -d "$dir" ] && resume=true
-           python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights=synthetic \
+           python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights="${WEIGHTS:-synthetic}" \
              dataset="${BATCH_DATASET:-gsm8k}" num_prompts=32 repeats=1 max_new_tokens="${BATCH_TOKENS:-64}" \
              "experiment.batch_sizes=[${BATCH_SIZES:-1,4,16,32}]" token_caps.transformers=4 \
              'systems=[specter,mo_sm,specmoeoff_sm,transformers]' results_dir="$dir" resume=$resume ${BATCH_ARGS:-} \

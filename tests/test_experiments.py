@@ -52,6 +52,10 @@ def test_depth_prefix_routing_kernel_outputs(results):
     assert set(prefix.prefix_tokens) == {4, 8}
     sets = pd.read_csv(results / "routing" / "tiny-dsv2-high" / "routing_working_sets.csv")
     assert (sets.working_set >= 1).all() and len(sets) > 0
+    locality = pd.read_csv(results / "routing" / "tiny-dsv2-high" / "routing_locality.csv")
+    assert set(locality.metric) == {"LRU", "LFU", "Belady", "SCH16", "draft_topk_recall"}
+    assert locality.measured.between(0, 1).all() and locality.real.isna().all()  # no real row for tiny-dsv2
+    assert (results / "routing" / "tiny-dsv2-high" / "routing_locality.png").stat().st_size > 0
     kernel = pd.read_csv(results / "kernel" / "tiny-dsv2-high" / "records.csv")
     assert kernel.status.str.startswith("unavailable: ").all()  # no CUDA: a reason, never a number
 
@@ -68,10 +72,32 @@ def test_batch_rows_per_system_and_batch_size(results):
 def test_figures_render_from_the_files(results):
     assert figures_main([str(results)]) == 0
     assert "| specter | builtin | 3 |" in (results / "figures" / "table3_batch.md").read_text()
-    for stem in ("fig7_depth", "fig13_routing", "fig14_main", "fig15_batch", "fig16_working_set"):
+    for stem in ("fig7_depth", "fig13_routing", "routing_locality", "fig14_main", "fig15_batch", "fig16_working_set"):
         for ext in ("png", "pdf", "csv"):
             assert (results / "figures" / f"{stem}.{ext}").stat().st_size > 0
     assert figures_main([str(results / "nothing-here")]) == 2
+
+
+def test_calibrated_routing_run_names_its_workload_and_compares_with_the_real_row(tmp_path):
+    out = run_main("experiment=routing", "model=tiny-mixtral", "model.weights=calibrated", "model.layers=2",
+                   "num_prompts=1", "max_new_tokens=24", "device=cpu", f"results_dir={tmp_path / 'r'}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tiny-mixtral (calibrated weights, 2 layers)" in out.stdout
+    run = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert run["workload"] == "tiny-mixtral: calibrated weights (real routing locality and acceptance), 2 layers"
+    locality = pd.read_csv(tmp_path / "r" / "routing_locality.csv")
+    lru = locality[(locality.metric == "LRU") & (locality.rho == 1.0)].iloc[0]
+    assert lru.real == 0.37 and 0 < lru.measured <= 1  # Mixtral's row
+
+
+def test_weights_and_layers_errors_are_one_line(tmp_path):
+    for args, message in ((("model=tiny-qwen", "model.weights=calibrated"), "no calibrated routing profile"),
+                          (("model=dsv2", "model.layers=3"), "needs model.weights=synthetic or calibrated"),
+                          (("model=dsv2", "model.weights=calibrated", "model.layers=1"), "integer above 1"),
+                          (("model=tiny", "model.weights=random"), "model.weights must be one of")):
+        out = run_main(*args, f"results_dir={tmp_path / 'x'}")
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr[-500:])
+        assert "Traceback" not in out.stderr and not (tmp_path / "x").exists()
 
 
 def test_resume_skips_finished_cases(tmp_path):

@@ -103,7 +103,7 @@ def test_default_results_dir_gets_a_new_suffix(tmp_path, monkeypatch):
     (("k=0",), "k must be an integer >= 1"),
     (("model=dsv2",), "no checkpoint for 'dsv2'"),
     (("model=dsv2", "model.checkpoint=/nonexistent/dsv2"), "checkpoint path /nonexistent/dsv2 does not exist"),
-    (("model.checkpoint=/nonexistent",), "model.weights=synthetic builds random weights"),
+    (("model.checkpoint=/nonexistent",), "model.weights=synthetic builds seeded weights"),
     (("systems=[specter,nope]",), "unknown system 'nope'"),
     (("model=dsv2", "model.weights=synthetic", "mem=gb", "mem.gb=5"),
      "5 GB GPU budget is too small: it needs at least 10.89 GB"),

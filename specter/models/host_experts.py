@@ -7,6 +7,7 @@ import torch
 import transformers
 from torch import nn
 
+from specter.models.calibrated import calibrate, moe_layer_count, remove_direction, routing_profile, special_ids
 from specter.models.hybrid import HybridMoEModel, hf_experts_modules, replace_module
 from specter.models.hybrid_experts import HybridExperts
 from specter.models.registry import ModelSpec
@@ -51,15 +52,20 @@ def hybridize_to_host(hf_model: nn.Module, spec: ModelSpec, tokenizer: Any, devi
 
 
 def build_synthetic_on_host(spec: ModelSpec, config: transformers.PretrainedConfig, tokenizer: Any,
-                            device: torch.device, dtype: torch.dtype, seed: int) -> HybridMoEModel:
+                            device: torch.device, dtype: torch.dtype, seed: int,
+                            calibrated: bool = False) -> HybridMoEModel:
     """Seeded random weights of a full-size architecture: non-expert weights initialised on the device,
-    experts generated one layer at a time on the device, quantized there, and moved to the host store."""
+    experts generated one layer at a time on the device, quantized there, and moved to the host store
+    (calibrated: in the layout of specter/models/calibrated.py)."""
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     shells = [shell for shell, _ in swap_in_shells(hf_model)]
     hf_model.to_empty(device=device)
     torch.manual_seed(seed)
     hf_model.initialize_weights()
+    g = None
+    if calibrated:
+        g = calibrate(hf_model, routing_profile(spec), special_ids(config), moe_layer_count(config), seed)
     store = new_store(shells, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     std = config.initializer_range
@@ -67,6 +73,8 @@ def build_synthetic_on_host(spec: ModelSpec, config: transformers.PretrainedConf
         e, h, i = shell.num_experts, shell.hidden_dim, shell.intermediate_dim
         gate_up = torch.randn(e, 2 * i, h, generator=generator, device=device, dtype=dtype) * std
         down = torch.randn(e, h, i, generator=generator, device=device, dtype=dtype) * std
+        if g is not None:
+            down = remove_direction(down, g, dim=1)  # [E, H, I]: no full-precision write along g
         install_layer(shell, store, gate_up, down, device)
         del gate_up, down
     return HybridMoEModel(hf_model.eval(), spec, tokenizer, shells, host_store=store)

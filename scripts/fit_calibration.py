@@ -1,0 +1,249 @@
+"""Fit the calibrated weights' RoutingProfile of each model to the real checkpoint's measurements.
+
+1. Routing factors: the hit-rate curves of the calibrated routers are simulated directly from the layout
+   (`routing_codes` seen through random router rows in the routing subspace), and the factor weights and
+   run lengths are fitted to the real model's row of routing-locality.tsv (LRU at rho 0.5/1/2/4, Belady at
+   rho 1/2).
+2. Acceptance gain: a reduced-depth calibrated build decodes the local datasets' prompts; one draft-mode
+   forward over each committed sequence gives the draft's component along the acceptance direction, and
+   the target's top-1/runner-up gaps give the gain at which the draft would reject the wanted fraction of
+   positions.
+3. Check: the fitted build's target routing is recorded and its curves are compared with the real row.
+
+Prints the fitted RoutingProfile of each model (paste into specter/models/registry.py) and a table.
+
+    python scripts/fit_calibration.py --models tiny-mixtral dsv2 --layers 4
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from scipy.optimize import minimize
+from transformers import DynamicCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments.datasets import prompts_for  # noqa: E402
+from experiments.locality import REAL_NAMES, calibration_error, locality_curves, reference_curves  # noqa: E402
+from experiments.routing_trace import committed_routing  # noqa: E402
+from specter.models.calibrated import (RUNNER_UP_SHARE, TOP1_LOGIT, RoutingProfile,  # noqa: E402
+                                       acceptance_direction, moe_layer_count, routing_codes)
+from specter.models.hybrid import hybridize  # noqa: E402
+from specter.models.loading import build_synthetic, hf_config, with_layers  # noqa: E402
+from specter.models.tokenizer import ByteTokenizer  # noqa: E402
+from experiments.records import token_agreement  # noqa: E402
+from specter import SpecterConfig, SpecterEngine  # noqa: E402
+from specter.models.registry import get_spec  # noqa: E402
+
+FIT_POINTS = (("LRU", 0.5), ("LRU", 1.0), ("LRU", 2.0), ("LRU", 4.0), ("Belady", 1.0), ("Belady", 2.0))
+TARGET_ACCEPTANCE = {"dsv2": 0.978, "qwen": 0.965, "phi": 0.965, "mixtral": 0.965}
+DATASETS = ("gsm8k", "wikitext2", "humaneval")
+FULL_EMBED_SCALE = 12.0  # dsv2's dense first layer alone writes about RMS 1 into the residual stream
+
+
+def simulated_curves(profile: RoutingProfile, experts: int, top_k: int, hidden: int, sequences: int = 8,
+                     tokens: int = 128, seed: int = 0) -> dict:
+    """Hit rates of the calibrated routing, simulated from the layout without building a model."""
+    generator = torch.Generator().manual_seed(seed)
+    d_r = max(8, hidden // 4)
+    traces = []
+    for _ in range(sequences):
+        codes = routing_codes(tokens, profile, d_r, generator)  # [T, d_r]
+        logits = codes @ torch.randn(experts, d_r, generator=generator).T  # [T, E]
+        traces.append(logits.topk(top_k, dim=1).indices.tolist())
+    return locality_curves(traces, top_k, policies=("LRU", "Belady"), rhos=(0.5, 1.0, 2.0, 4.0))
+
+
+def profile_from(x: np.ndarray) -> RoutingProfile:
+    fast, slow, static = np.abs(x[:3])
+    return RoutingProfile(factors=((float(fast), 1 + math.exp(x[3])), (float(slow), 1 + math.exp(x[4])),
+                                   (float(static), math.inf)), token_weight=1.0, accept_gain=0.0)
+
+
+def fit_factors(target: dict, experts: int, top_k: int, hidden: int) -> RoutingProfile:
+    """Factor weights and run lengths whose simulated curves match `target` (grid, then Nelder-Mead)."""
+    def loss(x):
+        largest, mean = calibration_error(simulated_curves(profile_from(x), experts, top_k, hidden), target)
+        return mean + 2.0 * max(0.0, largest - 0.025)
+
+    grid = [np.array([f, s, st, math.log(lf - 1), math.log(ls - 1)]) for f in (0.3, 0.6, 1.0)
+            for s in (0.0, 0.4, 0.8) for st in (0.0, 0.3, 0.6) for lf in (1.5, 3.0, 6.0) for ls in (15.0, 50.0)]
+    start = min(grid, key=loss)
+    best = minimize(loss, start, method="Nelder-Mead", options={"maxfev": 150, "xatol": 0.01, "fatol": 1e-4})
+    return profile_from(best.x)
+
+
+def local_prompts(tokenizer, per_dataset: int, prefix: int = 16) -> list[torch.Tensor]:
+    prompts = []
+    for name in DATASETS:
+        cfg = OmegaConf.create({"name": name, "members": [name], "path": None, "source": "local"})
+        prompts += [torch.tensor([tokenizer(t)["input_ids"][:prefix]]) for t in prompts_for(cfg, per_dataset)[name]]
+    return prompts
+
+
+@torch.inference_mode()
+def greedy_walk(model, prompt: torch.Tensor, tokens: int) -> list[int]:
+    """The target's greedy continuation (resident experts, one token at a time)."""
+    cache, ids, out = DynamicCache(config=model.hf.config), prompt.to(model.device), []
+    for _ in range(tokens):
+        nxt = int(model.forward(ids, cache)[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.tensor([[nxt]], device=model.device)
+    return out
+
+
+@torch.inference_mode()
+def rejection_ratios(model, prompt: torch.Tensor, generated: list[int], seed: int) -> np.ndarray:
+    """Per committed position: the effective gain above which the draft picks the runner-up (inf: never)."""
+    ids = torch.cat([prompt, torch.tensor([generated])], dim=1).to(model.device)
+    final = {}
+    handle = model.hf.model.norm.register_forward_hook(lambda m, a, out: final.__setitem__("x", out[0]))
+    try:
+        model.forward(ids, DynamicCache(config=model.hf.config), mode="draft")
+    finally:
+        handle.remove()
+    target = model.forward(ids, DynamicCache(config=model.hf.config))[0].float().cpu()  # [T, V]
+    g = acceptance_direction(model.hf.config.hidden_size, seed)
+    head = model.hf.get_output_embeddings().weight.float().cpu()
+    n = prompt.numel()
+    top2 = target[n - 1:-1].topk(2, dim=1)  # positions that predict the generated tokens
+    gap = (top2.values[:, 0] - top2.values[:, 1]).numpy()
+    sign = torch.sign(head[top2.indices] @ g).numpy()  # [T, 2]: the g sign of top-1 and runner-up rows
+    gx = (final["x"][n - 1:-1].float().cpu() @ g).numpy()  # [T]
+    push = (sign[:, 1] - sign[:, 0]) * TOP1_LOGIT * gx  # runner-up's gain per unit effective gain
+    with np.errstate(divide="ignore"):
+        return np.where(push > 0, gap / push, np.inf)
+
+
+def fit_gain(ratios: np.ndarray, acceptance: float) -> float:
+    """The smallest effective gain at which a fraction 1 - acceptance of positions reject."""
+    return float(np.quantile(ratios, 1 - acceptance))
+
+
+def probe_build(spec, layers: int | None, profile: RoutingProfile, per_dataset: int, seed: int, device: str,
+                dtype: torch.dtype):
+    """(model, prompts, greedy walks, measured curves) of a calibrated build (`layers` deep; None: full)."""
+    probe = dataclasses.replace(with_layers(spec, layers), routing_profile=profile)
+    config = hf_config(probe)
+    model = hybridize(build_synthetic(probe, torch.device(device), dtype, seed, calibrated=True), probe,
+                      ByteTokenizer(config.vocab_size))
+    prompts = local_prompts(model.tokenizer, per_dataset)
+    walks = [greedy_walk(model, p, 128) for p in prompts]
+    traces = [layer for p, w in zip(prompts, walks) for layer in committed_routing(model, p, w)]
+    curves = locality_curves(traces, config.num_experts_per_tok, policies=("LRU", "Belady"),
+                             rhos=(0.5, 1.0, 2.0, 4.0))
+    return model, prompts, walks, curves
+
+
+def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dataset: int, seed: int,
+                    evaluations: int) -> RoutingProfile:
+    """Nelder-Mead on the built model's own measured curves (small models: a build takes seconds)."""
+    def loss(x):
+        probe = dataclasses.replace(profile_from(x), accept_gain=1.0, embed_scale=profile.embed_scale)
+        curves = probe_build(spec, layers, probe, per_dataset, seed, "cpu", torch.float32)[3]
+        largest, mean = calibration_error(curves, target)
+        return mean + 2.0 * max(0.0, largest - 0.025)
+
+    (fast, fast_run), (slow, slow_run), (static, _) = profile.factors
+    start = np.array([fast, slow, static, math.log(fast_run - 1), math.log(slow_run - 1)])
+    best = minimize(loss, start, method="Nelder-Mead", options={"maxfev": evaluations, "xatol": 0.01})
+    return dataclasses.replace(profile_from(best.x), accept_gain=1.0, embed_scale=profile.embed_scale)
+
+
+@torch.inference_mode()
+def check_in(dtype: torch.dtype, spec, profile: RoutingProfile, per_dataset: int, seed: int, device: str) -> dict:
+    """The fitted build at its real depth in `dtype`: Specter's acceptance and agreement with greedy target."""
+    fitted = dataclasses.replace(spec, routing_profile=profile)
+    model = hybridize(build_synthetic(fitted, torch.device(device), dtype, seed, calibrated=True), fitted,
+                      ByteTokenizer(fitted.hf_config["vocab_size"]))
+    engine = SpecterEngine(model, SpecterConfig(k=8))
+    accepted, agree = [], []
+    for prompt in local_prompts(model.tokenizer, per_dataset):
+        walk = greedy_walk(model, prompt, 128)
+        result = engine.generate(prompt.to(model.device), 128)
+        accepted.append(result.stats["acceptance_rate"])
+        agree.append(token_agreement(result.token_ids, walk))
+    return {"dtype": str(dtype).removeprefix("torch."), "acceptance": round(float(np.mean(accepted)), 4),
+            "token_agreement": round(float(np.mean(agree)), 4)}
+
+
+def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
+              dtype: torch.dtype = torch.float32, direct: int = 0) -> dict:
+    """Fit factors on the simulation, correct once by the build's measured offset (or, with `direct`
+    evaluations, refine on the build itself), then fit the gain."""
+    spec = get_spec(name)
+    real = REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])
+    target = {p: v for p, v in reference_curves(real).items() if p in FIT_POINTS}
+    config = hf_config(spec)
+    experts, top_k, hidden = spec.num_experts, config.num_experts_per_tok, config.hidden_size
+    profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
+                                  embed_scale=embed_scale)
+    model, _, _, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    simulated = simulated_curves(profile, experts, top_k, hidden)
+    corrected = {p: v - (curves[p] - simulated[p]) for p, v in target.items()}  # the build's own offset
+    profile = dataclasses.replace(fit_factors(corrected, experts, top_k, hidden), accept_gain=1.0,
+                                  embed_scale=embed_scale)
+    if direct:
+        profile = refine_on_build(spec, layers, profile, target, per_dataset, seed, direct)
+    model, prompts, walks, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
+    ratios = np.concatenate([rejection_ratios(model, p, w, seed) for p, w in zip(prompts, walks)])
+    n_moe = moe_layer_count(hf_config(model.spec))
+    accept_gain = fit_gain(ratios, TARGET_ACCEPTANCE.get(spec.name, 0.965)) * math.sqrt(n_moe)
+    largest, mean = calibration_error(curves, target)
+    distinct = min(len(set(w[:64])) for w in walks)
+    return {"model": spec.name, "real": real, "layers": layers, "profile": dataclasses.replace(
+        profile, accept_gain=round(accept_gain, 4), target=tuple((f"{p}@{r:g}", v) for (p, r), v in target.items()),
+        source=f"routing-locality.tsv: {real}"), "measured": {f"{p}@{r:g}": round(v, 3) for (p, r), v in curves.items()},
+        "max_error": round(largest, 3), "mean_error": round(mean, 3), "min_distinct_per_64": distinct}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["tiny-mixtral", "dsv2", "qwen", "phi", "mixtral"])
+    parser.add_argument("--layers", type=int, default=None, help="depth of the full-size probes (default 4; phi "
+                        "and mixtral 2; 0 = the real depth)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--check-dtype", choices=("float16", "bfloat16"), default=None,
+                        help="then build the fitted model at its real depth in this dtype on --device and report "
+                             "Specter's acceptance and agreement with the greedy target there")
+    parser.add_argument("--direct", type=int, default=0,
+                        help="then refine the factors on this many CPU builds (tiny models: seconds each)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--embed-scale", type=float, default=None,
+                        help="embedding RMS (default: 1 for tiny models, 12 for full-size ones)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.models:
+        spec = get_spec(name)
+        default = 2 if spec.name in ("phi", "mixtral") else 4
+        layers = None if spec.is_tiny or args.layers == 0 else (args.layers or default)
+        scale = args.embed_scale or (1.0 if spec.is_tiny else FULL_EMBED_SCALE)
+        result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
+                           args.direct)
+        if args.check_dtype:
+            result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
+                                       args.seed, args.device)
+        results.append(result)
+        print(f"{name}: max error {result['max_error']}, mean {result['mean_error']}, "
+              f"distinct/64 >= {result['min_distinct_per_64']}\n  measured {result['measured']}\n  {result['profile']}"
+              f"\n  check: {result.get('check')}",
+              flush=True)
+    if args.out:
+        args.out.write_text(json.dumps([{**r, "profile": repr(r["profile"])} for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Calibrated weights: the real checkpoints' routing locality, acceptance and margins, from seeded weights."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import DynamicCache
+
+import specter
+from experiments.datasets import prompts_for
+from experiments.locality import calibration_error, locality_curves, reference_curves
+from experiments.routing_trace import committed_routing, topk_recall
+from specter.errors import SpecterError
+from specter.models.calibrated import acceptance_direction
+from specter.models.loading import build_synthetic, hf_config, with_layers
+from specter.models.registry import get_spec
+from specter.quant.gptq import quantize_experts_gptq
+
+FIT_POINTS = (("LRU", 0.5), ("LRU", 1.0), ("LRU", 2.0), ("LRU", 4.0), ("Belady", 1.0), ("Belady", 2.0))
+
+
+@functools.lru_cache(maxsize=None)
+def calibrated(name: str = "tiny-mixtral", layers: int | None = None) -> specter.HybridMoEModel:
+    return specter.load_model(name, weights="calibrated", num_layers=layers, device="cpu", dtype=torch.float32)
+
+
+def local_prompts(model, per_dataset: int = 2) -> list[torch.Tensor]:
+    """The first prompts of the local GSM8K, WikiText-2 and HumanEval files, cut to 16 tokens."""
+    out = []
+    for name in ("gsm8k", "wikitext2", "humaneval"):
+        cfg = OmegaConf.create({"name": name, "members": [name], "path": None, "source": "local"})
+        out += [torch.tensor([model.tokenizer(t)["input_ids"][:16]]) for t in prompts_for(cfg, per_dataset)[name]]
+    return out
+
+
+@torch.inference_mode()
+def greedy(model, prompt: torch.Tensor, tokens: int) -> list[int]:
+    cache, ids, out = DynamicCache(config=model.hf.config), prompt, []
+    for _ in range(tokens):
+        out.append(int(model.forward(ids, cache)[0, -1].argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def fit_points(model, prompts, walks):
+    traces = [layer for p, w in zip(prompts, walks) for layer in committed_routing(model, p, w)]
+    return locality_curves(traces, model.top_k, policies=("LRU", "Belady"), rhos=(0.5, 1.0, 2.0, 4.0))
+
+
+def real_row(name: str) -> dict:
+    return {p: v for p, v in reference_curves(name).items() if p in FIT_POINTS}
+
+
+def test_full_precision_tensors_never_write_along_the_acceptance_direction():
+    model = calibrated()
+    g = acceptance_direction(model.hf.config.hidden_size, seed=0)
+    ids = local_prompts(model, 1)[0]
+    states = {}
+    handle = model.hf.model.norm.register_forward_pre_hook(lambda m, a: states.__setitem__("h", a[0][0]))
+    try:
+        for mode in ("target", "draft"):
+            model.forward(ids, DynamicCache(config=model.hf.config), mode=mode)
+            states[mode] = (states["h"] @ g).abs().max() / states["h"].norm(dim=-1).max()
+    finally:
+        handle.remove()
+    assert states["target"] < 1e-5  # float32 rounding only
+    assert states["draft"] > 1e-3  # the INT4 draft's down-projection error
+
+
+def test_calibrated_build_is_seeded_and_differs_from_synthetic():
+    spec = get_spec("tiny-mixtral")
+    a = build_synthetic(spec, torch.device("cpu"), torch.float32, 0, calibrated=True)
+    b = build_synthetic(spec, torch.device("cpu"), torch.float32, 0, calibrated=True)
+    plain = build_synthetic(spec, torch.device("cpu"), torch.float32, 0)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
+    assert not torch.equal(a.lm_head.weight, plain.lm_head.weight)
+
+
+def test_specter_on_calibrated_weights_is_the_target_greedy_walk_without_loops():
+    model = calibrated()
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2))
+    for ids in local_prompts(model, 1):
+        walk = greedy(model, ids, 64)
+        assert engine.generate(ids, 64).token_ids == walk
+        assert len(set(walk)) >= 32  # at least 32 distinct tokens per 64: no short loops
+
+
+@pytest.mark.slow
+def test_tiny_mixtral_reproduces_the_mixtral_row_and_acceptance():
+    model = calibrated()
+    prompts = local_prompts(model, 2)  # 6 prompts x 128 tokens
+    walks = [greedy(model, p, 128) for p in prompts]
+    largest, mean = calibration_error(fit_points(model, prompts, walks), real_row("Mixtral-8x7B-v0.1"))
+    assert largest <= 0.04 and mean <= 0.03, (largest, mean)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4))
+    results = [engine.generate(p, 128) for p in prompts]
+    assert [r.token_ids for r in results] == walks
+    acceptance = np.mean([r.stats["acceptance_rate"] for r in results])
+    assert 0.94 <= acceptance <= 0.99, acceptance  # fitted to 0.965 (RTN)
+    recall = topk_recall(*[[layer for p, w in zip(prompts, walks) for layer in committed_routing(model, p, w, mode)]
+                           for mode in ("draft", "target")])
+    assert 0.9 <= recall < 1.0, recall  # the draft routes differently only through its INT4 error
+
+
+@pytest.mark.slow
+def test_gptq_draft_keeps_acceptance_in_range():
+    model = specter.load_model("tiny-mixtral", weights="calibrated", device="cpu", dtype=torch.float32)
+    prompts = local_prompts(model, 2)
+    walks = [greedy(model, p, 128) for p in prompts]
+    quantize_experts_gptq(model, [torch.cat([p, torch.tensor([w])], dim=1) for p, w in zip(prompts, walks)])
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4))
+    results = [engine.generate(p, 128) for p in prompts]
+    assert [r.token_ids for r in results] == walks
+    assert np.mean([r.stats["acceptance_rate"] for r in results]) >= 0.94
+
+
+@pytest.mark.slow
+def test_full_width_dsv2_reproduces_the_deepseek_row():
+    model = calibrated("dsv2", layers=2)  # one dense and one MoE layer, full width (64 experts, top-6)
+    assert model.num_moe_layers == 1 and model.num_experts == 64 and model.hf.config.hidden_size == 2048
+    prompts = local_prompts(model, 2)
+    walks = [greedy(model, p, 128) for p in prompts]
+    largest, mean = calibration_error(fit_points(model, prompts, walks), real_row("DeepSeek-V2-Lite"))
+    assert largest <= 0.04 and mean <= 0.03, (largest, mean)
+    assert min(len(set(w[:64])) for w in walks) >= 32
+
+
+def test_weights_arguments_are_checked():
+    with pytest.raises(SpecterError, match="weights must be one of"):
+        specter.load_model("tiny-mixtral", weights="random", device="cpu")
+    with pytest.raises(SpecterError, match="contradicts"):
+        specter.load_model("tiny-mixtral", synthetic=False, weights="calibrated", device="cpu")
+    with pytest.raises(SpecterError, match="no calibrated routing profile"):
+        specter.load_model("tiny-qwen", weights="calibrated", device="cpu")
+    with pytest.raises(SpecterError, match="integer above 1"):
+        with_layers(get_spec("dsv2"), 1)
+    assert hf_config(with_layers(get_spec("dsv2"), 4)).num_hidden_layers == 4
+
+
+def test_depth_override_keeps_the_width():
+    model = specter.load_model("tiny-mixtral", weights="calibrated", num_layers=2, device="cpu", dtype=torch.float32)
+    assert model.num_moe_layers == 2 and model.spec.hf_config["num_hidden_layers"] == 2
+    assert dataclasses.asdict(model.spec)["hf_config"]["hidden_size"] == 128
