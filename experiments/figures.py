@@ -109,7 +109,7 @@ def locality_figure(data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
         ax.set(xlabel="cache size / top-k (rho)", title=policy, ylim=(0, 1.05))
     axes[0][0].set_ylabel("hit rate")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Routing locality: measured vs real checkpoint")
+    fig.suptitle("Routing locality: measured vs real checkpoint", y=1.04)
     return _save(fig, data, out, stem)
 
 

@@ -138,7 +138,20 @@ def test_weights_arguments_are_checked():
         specter.load_model("tiny-qwen", weights="calibrated", device="cpu")
     with pytest.raises(SpecterError, match="integer above 1"):
         with_layers(get_spec("dsv2"), 1)
+    with pytest.raises(SpecterError, match="needs synthetic or calibrated"):
+        specter.load_model("dsv2", num_layers=4, device="cpu")  # would load the checkpoint
     assert hf_config(with_layers(get_spec("dsv2"), 4)).num_hidden_layers == 4
+
+
+def test_experts_built_straight_into_host_memory_walk_the_same_cycle():
+    host = specter.load_model("tiny-mixtral", weights="calibrated", experts_on_host=True, device="cpu",
+                              dtype=torch.float32)
+    engine = specter.SpecterEngine(host, specter.SpecterConfig(k=4, resident_experts_per_layer=2))
+    ids = local_prompts(host, 1)[0]
+    assert engine.generate(ids, 48).token_ids == greedy(calibrated(), ids, 48)  # embeddings and head are shared
+    g = acceptance_direction(host.hf.config.hidden_size, seed=0)
+    down = host.host_store.layer_weights(0)[1]  # [E, H, I]
+    assert torch.einsum("h,ehi->ei", g, down.float()).abs().max() < 1e-5
 
 
 def test_depth_override_keeps_the_width():

@@ -124,8 +124,6 @@ def load_model(
       without it the draft is round-to-nearest INT4, quantized at load time.
     """
     synthetic, calibrated = weights_choice(synthetic, weights)
-    if num_layers is not None and synthetic is False:
-        raise SpecterError("num_layers rebuilds a registered architecture: it needs synthetic or calibrated weights")
     model = _load(name_or_path, synthetic, device, dtype, seed, experts_on_host, calibrated, num_layers)
     if draft is not None:
         load_draft(model, draft)
@@ -152,6 +150,8 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
         spec = with_layers(get_spec(name), num_layers)
         if synthetic is None:
             synthetic = spec.is_tiny
+        if num_layers is not None and not synthetic:
+            raise SpecterError("num_layers rebuilds a registered architecture: it needs synthetic or calibrated weights")
         if synthetic:
             tokenizer = ByteTokenizer(spec.hf_config["vocab_size"])
             if calibrated:
@@ -165,6 +165,8 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
                 f"no checkpoint for {spec.name!r} at {path}: {DOWNLOAD_HINT} --only {spec.name} "
                 f"(or set SPECTER_MODELS), or use synthetic weights")
     else:
+        if num_layers is not None:
+            raise SpecterError("num_layers rebuilds a registered architecture: a checkpoint keeps its own depth")
         path = Path(name)
         if not path.exists() and os.sep not in name and "/" not in name:
             get_spec(name)  # neither a known name nor a path: raises "unknown model"

@@ -144,6 +144,11 @@ _SPECS = [
              lm_head_bias=True, bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False),
         default_k=16, mem_presets={"high": 2, "low": 1}, hf_repo="microsoft/Phi-3.5-MoE-instruct",
         description="Phi-3.5-MoE (42B, 16 experts top-2; synthetic build uses default RoPE, not longrope)",
+        routing_profile=RoutingProfile(  # fitted on the CPU at 1 layer (float32, 6 prompts x 128 tokens)
+            factors=((1.0207, 6.1304), (0.8036, 50.595), (0.6018, _INF)), token_weight=1.0, accept_gain=7.669,
+            embed_scale=12.0, target=(("LRU@0.5", 0.23), ("LRU@1", 0.42), ("LRU@2", 0.65), ("LRU@4", 0.85),
+                                      ("Belady@1", 0.59), ("Belady@2", 0.78)),
+            source="routing-locality.tsv: Phi-3.5-MoE; acceptance 0.965 (RTN, analytic at 1 layer)"),
     ),
     ModelSpec(
         "mixtral", "mixtral",
