@@ -158,6 +158,10 @@ _SPECS = [
              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
         default_k=8, mem_presets={"high": 4, "low": 2}, hf_repo="mistralai/Mixtral-8x7B-v0.1",
         description="Mixtral-8x7B (47B, 8 experts top-2)",
+        routing_profile=RoutingProfile(  # fitted on the CPU at 1 layer (float32, 6 prompts x 128 tokens)
+            factors=((1.0353, 1.5018), (0.4111, 48.797), (0.5968, _INF)), token_weight=1.0, accept_gain=9.681,
+            embed_scale=12.0, target=_MIXTRAL_ROW,
+            source="routing-locality.tsv: Mixtral-8x7B-v0.1; acceptance 0.965 (RTN, analytic at 1 layer)"),
     ),
 ]
 
