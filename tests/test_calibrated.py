@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 import specter
-from experiments.datasets import prompts_for
+from experiments.datasets import data_dir, prompts_for
 from experiments.locality import calibration_error, locality_curves, reference_curves
 from experiments.routing_trace import committed_routing, topk_recall
 from specter.errors import SpecterError
@@ -30,6 +30,8 @@ def calibrated(name: str = "tiny-mixtral", layers: int | None = None) -> specter
 
 def local_prompts(model, per_dataset: int = 2) -> list[torch.Tensor]:
     """The first prompts of the local GSM8K, WikiText-2 and HumanEval files, cut to 16 tokens."""
+    if not (data_dir() / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip(f"the local datasets are not at {data_dir()} (set SPECTER_DATA to the shared data directory)")
     out = []
     for name in ("gsm8k", "wikitext2", "humaneval"):
         cfg = OmegaConf.create({"name": name, "members": [name], "path": None, "source": "local"})
