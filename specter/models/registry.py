@@ -73,7 +73,8 @@ _MIXTRAL_ROW = (("LRU@0.5", 0.17), ("LRU@1", 0.37), ("LRU@2", 0.61), ("LRU@4", 1
                 ("Belady@2", 0.82))
 _TINY_PROFILE = RoutingProfile(  # tiny-mixtral: 8 experts top-2, as Mixtral: its row
     factors=((0.31655, 3.0007), (0.4388, 56.616), (0.0001, _INF)), token_weight=1.0,
-    accept_gain=15.0,  # the fit's 18.0 gave Specter 0.938 here (draft KV matters at hidden 128); 15: 0.971
+    accept_gain=15.0,  # set on Specter's measured acceptance (0.971, K=4): at hidden 128 the draft's own KV
+                       # moves its hidden states, and the analytic fit (18.0) would give 0.938
     target=_MIXTRAL_ROW, source="routing-locality.tsv: Mixtral-8x7B-v0.1 (8 experts, top-2); acceptance 0.965 (RTN)")
 
 _SPECS = [
