@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from experiments.datasets import prompts_for  # noqa: E402
 from experiments.locality import REAL_NAMES, calibration_error, locality_curves, reference_curves  # noqa: E402
 from experiments.routing_trace import committed_routing  # noqa: E402
-from specter.models.calibrated import (RUNNER_UP_SHARE, TOP1_LOGIT, RoutingProfile,  # noqa: E402
+from specter.models.calibrated import (TOP1_LOGIT, RoutingProfile,  # noqa: E402
                                        acceptance_direction, moe_layer_count, routing_codes)
 from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config, with_layers  # noqa: E402
