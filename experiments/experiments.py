@@ -13,7 +13,7 @@ from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, run_cases
 from experiments.records import SUMMARY_KEYS
 from experiments.routing import run_routing
-from experiments.settings import header, load, specter_config
+from experiments.settings import header, load, specter_config, workload
 from experiments.systems import build_system
 from specter.errors import SpecterError
 
@@ -26,7 +26,8 @@ def run_main(cfg, out_dir: Path, open_writer):
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
     systems = [build_system(name, model, config) for name in cfg.systems]
     run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(), cfg.strict,
-              tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps)
+              tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps,
+              warmup_tokens=cfg.warmup_tokens)
     return header(model, config, cfg, "main"), SUMMARY_KEYS["main"]
 
 
@@ -40,9 +41,10 @@ def run_depth(cfg, out_dir: Path, open_writer):
         for k in ks[repeat % len(ks):] + ks[: repeat % len(ks)]:  # candidate order rotated per repeat
             engine = build_system("specter", model, specter_config(cfg, model.spec, k=k))
             run_cases([engine], prompts, 1, cfg.max_new_tokens, writer, tags={"k": k, "prefix_tokens": cfg.prefix_tokens},
-                      repeat_offset=repeat)
+                      repeat_offset=repeat, warmup_tokens=cfg.warmup_tokens)
     best = best_k(writer.rows)
-    (out_dir / "best_k.json").write_text(json.dumps({"model": model.spec.name, "mem": cfg.mem.name, "best_k": best}))
+    (out_dir / "best_k.json").write_text(json.dumps({"model": model.spec.name, "mem": cfg.mem.name, "best_k": best,
+                                                     "workload": workload(cfg)}))
     return header(model, config, cfg, f"depth (best K = {best})"), SUMMARY_KEYS["depth"]
 
 
@@ -66,7 +68,8 @@ def run_prefix(cfg, out_dir: Path, open_writer):
     for prefix in cfg.experiment.prefix_values:
         prompts = encode_prompts(model, texts, int(prefix))
         run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, writer, cfg.strict,
-                  tags={"k": config.k, "prefix_tokens": int(prefix)}, token_caps=cfg.token_caps)
+                  tags={"k": config.k, "prefix_tokens": int(prefix)}, token_caps=cfg.token_caps,
+                  warmup_tokens=cfg.warmup_tokens)
     return header(model, config, cfg, "prefix"), SUMMARY_KEYS["prefix"]
 
 

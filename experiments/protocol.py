@@ -10,8 +10,6 @@ from experiments.records import RecordWriter, record, unavailable
 from specter.errors import SpecterError
 from specter.metrics import gc_paused
 
-WARMUP_TOKENS = 4
-
 
 def encode_prompts(model, prompts: dict[str, list[str] | str], prefix_tokens: int) -> dict[str, list | str]:
     """Dataset -> [1, T<=prefix_tokens] token tensors (an 'unavailable: ...' string passes through)."""
@@ -26,17 +24,18 @@ def encode_prompts(model, prompts: dict[str, list[str] | str], prefix_tokens: in
     return encoded
 
 
-def warm_up(systems: list, ids: torch.Tensor, failed=None) -> list:
-    """One short generation per available system (excluded from the records); returns those that ran.
+def warm_up(systems: list, ids: torch.Tensor, tokens, failed=None) -> list:
+    """One generation per available system (excluded from the records); returns those that ran.
 
-    A system whose engine fails there with a SpecterError (e.g. its worker process crashed) is left out
+    `tokens` is an int or a function of the system's name: a warm-up as long as the measured cases
+    pays every first-use cost (allocator growth, kernels for the longer KV lengths) before timing. A system whose engine fails there with a SpecterError (e.g. its worker process crashed) is left out
     and passed to `failed(system, reason)`, so the others still run; without `failed` the error propagates.
     """
     ready = []
     for system in systems:
         if system.available()[0]:
             try:
-                system.generate(ids, WARMUP_TOKENS)
+                system.generate(ids, tokens(system.name) if callable(tokens) else int(tokens))
             except SpecterError as exc:
                 if failed is None:
                     raise
@@ -49,15 +48,20 @@ def warm_up(systems: list, ids: torch.Tensor, failed=None) -> list:
 
 def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_new_tokens: int,
               writer: RecordWriter, strict: bool = False, tags: dict | None = None, repeat_offset: int = 0,
-              token_caps: dict | None = None) -> None:
+              token_caps: dict | None = None, warmup_tokens: int | None = None) -> None:
     """Every (dataset, prompt, repeat) on every system; rows go to `writer` as they finish.
 
     Repeat r visits the systems in an order rotated by r. Tokens of every system are compared with
     target-only's on the same case; a mismatch is reported, and fatal with `strict`. `token_caps`
     (system -> tokens) lets a very slow system decode fewer tokens per case (its rows say how many;
-    its tokens are checked against the same prefix of target-only's).
+    its tokens are checked against the same prefix of target-only's). Each system warms up once on the
+    first prompt, for `warmup_tokens` (None: as many as its measured cases) within its cap; a system
+    whose cases a resumed `writer` holds already is skipped.
     """
-    tags = tags or {}
+    tags, token_caps = tags or {}, token_caps or {}
+
+    def case_tokens(name: str, wanted: int = max_new_tokens) -> int:
+        return min(wanted, int(token_caps.get(name) or wanted))
 
     def unavailable_system(system, reason: str) -> None:
         writer.add(unavailable({"system": system.name, "dataset": "*", "prompt_id": -1, **tags}, reason))
@@ -67,7 +71,12 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
         if not ok:
             unavailable_system(system, reason)
     first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
-    runnable = warm_up(systems, first, unavailable_system) if first is not None else []
+    keys = [{"dataset": dataset, "prompt_id": i, "repeat": repeat + repeat_offset, **tags}
+            for dataset, cases in prompts.items() if not isinstance(cases, str)
+            for repeat in range(repeats) for i in range(len(cases))]
+    pending = [s for s in systems if any(not writer.done({**key, "system": s.name}) for key in keys)]
+    warm = (lambda name: case_tokens(name, warmup_tokens or max_new_tokens))
+    runnable = warm_up(pending, first, warm, unavailable_system) if first is not None else []
     total = sum(len(p) for p in prompts.values() if not isinstance(p, str)) * repeats * len(runnable)
     with tqdm(total=total, desc="decoding", unit="run", file=sys.stderr) as bar:
         for dataset, cases in prompts.items():
@@ -80,16 +89,16 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
                 order = runnable[repeat % len(runnable):] + runnable[: repeat % len(runnable)] if runnable else []
                 for i, ids in enumerate(cases):
                     key = {"dataset": dataset, "prompt_id": i, "repeat": repeat + repeat_offset, **tags}
-                    _run_case(order, key, ids, max_new_tokens, writer, strict, token_caps or {})
+                    _run_case(order, key, ids, case_tokens, writer, strict)
                     bar.update(len(order))
 
 
-def _run_case(systems: list, key: dict, ids: torch.Tensor, max_new_tokens: int, writer: RecordWriter,
-              strict: bool, token_caps: dict) -> None:
+def _run_case(systems: list, key: dict, ids: torch.Tensor, case_tokens, writer: RecordWriter,
+              strict: bool) -> None:
     results = {}
     for system in systems:
         if not writer.done({**key, "system": system.name}):
-            tokens = min(max_new_tokens, int(token_caps.get(system.name) or max_new_tokens))
+            tokens = case_tokens(system.name)
             with gc_paused():
                 results[system.name] = system.generate(ids, tokens)
     reference = results["target_only"].token_ids if "target_only" in results else None

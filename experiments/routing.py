@@ -39,7 +39,7 @@ def run_routing(cfg, out_dir: Path, open_writer):
     sets, counts, traces, drafts = [], {}, [], []
     first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
     if first is not None:
-        warm_up([engine], first)
+        warm_up([engine], first, cfg.warmup_tokens or cfg.max_new_tokens)
     for dataset, cases in prompts.items():
         key = {"system": "specter", "dataset": dataset, "k": config.k, "prefix_tokens": cfg.prefix_tokens}
         if isinstance(cases, str):

@@ -96,14 +96,20 @@ def specter_config(cfg, spec: ModelSpec, k: int | None = None) -> SpecterConfig:
 
 
 def profiled_k(cfg, spec: ModelSpec) -> int:
-    """The depth experiment's best K for this model: this memory setting's profile, else the high one's."""
-    depth = Path(cfg.results_root) / "depth"
+    """The depth experiment's best K for this model and workload: this memory setting's profile, else
+    the high one's. A profile measured on other weights (synthetic against calibrated) is refused."""
+    depth, mismatch = Path(cfg.results_root) / "depth", []
     for mem in (cfg.mem.name, "high"):
         path = depth / f"{spec.name}-{mem}" / "best_k.json"
         if path.is_file():
-            return int(json.loads(path.read_text())["best_k"])
-    raise SpecterError(f"k=auto needs {depth / f'{spec.name}-{cfg.mem.name}' / 'best_k.json'}: run "
-                       f"`python -m experiments.main experiment=depth model={cfg.model.name} mem={cfg.mem.name}` first")
+            profile = json.loads(path.read_text())
+            if profile.get("workload", workload(cfg)) == workload(cfg):
+                return int(profile["best_k"])
+            mismatch.append(f"{path} is for {profile['workload']}")
+    found = f" ({'; '.join(mismatch)})" if mismatch else ""
+    raise SpecterError(f"k=auto needs {depth / f'{spec.name}-{cfg.mem.name}' / 'best_k.json'} for {workload(cfg)}"
+                       f"{found}: run `python -m experiments.main experiment=depth model={cfg.model.name} "
+                       f"mem={cfg.mem.name} model.weights={cfg.model.weights}` first")
 
 
 def results_dir(cfg) -> tuple[Path, bool]:

@@ -7,9 +7,12 @@
 # kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
 # OFFLOAD_VARIANTS (default: no spare rows, 8 spare rows, no early read, the defaults again), each row
 # printed as measured, with a host profile, then qwen K=8 in full.
+# depth: experiment=depth (Specter's TPOT per K, best K to best_k.json for k=auto) on MODELS x MEMS, DEPTH_KS
+# (default 4,8,12,16,24,32), DEPTH_PROMPTS (default 1) per dataset, into REPORT_DIR/depth/<model>-<mem>.
 # report: the harness with every system on MODELS x MEMS
-# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, TF_CAP (Transformers' tokens
-# per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8), REPORT_TIMEOUT_S (per run; 0 = none), resuming the result
+# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS (default 1), TF_CAP
+# (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8 or k=auto, which
+# reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
@@ -54,14 +57,23 @@ for step in "${STEPS[@]}"; do
                | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
              python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" --weights "${WEIGHTS:-synthetic}" 2>&1 \
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
+    depth) rc=0
+           for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
+             timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main experiment=depth model="$model" mem="$mem" \
+               model.weights="${WEIGHTS:-synthetic}" dataset=all num_prompts="${DEPTH_PROMPTS:-1}" repeats=1 \
+               "experiment.k_values=[${DEPTH_KS:-4,8,12,16,24,32}]" warmup_tokens=32 \
+               results_root="${REPORT_DIR:-.report}" resume=true > "$OUT/depth-$model-$mem.log" 2>&1 || rc=1
+             grep -E " AVG |best K|error" "$OUT/depth-$model-$mem.log" || tail -n 3 "$OUT/depth-$model-$mem.log"
+           done; done
+           tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
     report) rc=0
             for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
               timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
                 model.weights="${WEIGHTS:-synthetic}" dataset=all \
                 'systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]' \
-                num_prompts="${NUM_PROMPTS:-1}" repeats=1 token_caps.transformers="${TF_CAP:-8}" results_dir="$dir" \
-                resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
+                num_prompts="${NUM_PROMPTS:-1}" repeats="${REPEATS:-1}" token_caps.transformers="${TF_CAP:-8}" \
+                results_root="${REPORT_DIR:-.report}" results_dir="$dir" resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
             done; done
             tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time

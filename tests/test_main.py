@@ -1,4 +1,5 @@
 """The main job and its configs: every option composes; the CLI writes results and refuses to overwrite."""
+import json
 import os
 import subprocess
 import sys
@@ -8,10 +9,11 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.settings import model_choice, results_dir, specter_config
+from experiments.settings import model_choice, results_dir, specter_config, workload
 from experiments.summarize import main as summarize_main
 from experiments.summarize import summarize_dir
 from experiments.systems import build_system, known_systems
+from specter.errors import SpecterError
 from tests.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,3 +143,14 @@ def test_summary_of_a_cut_run_is_rebuilt_from_its_records(tmp_path):
     with pytest.raises(ValueError, match="never overwritten"):
         summarize_dir(out)
     assert summarize_main([str(tmp_path)]) == 2  # not a results directory: one-line error, exit 2
+
+
+def test_k_auto_takes_the_depth_profile_of_the_same_workload_only(tmp_path):
+    profile = tmp_path / "depth" / "dsv2-high"
+    profile.mkdir(parents=True)
+    calibrated = compose_with("model=dsv2", "k=auto", f"results_root={tmp_path}", "model.weights=calibrated")
+    synthetic = compose_with("model=dsv2", "k=auto", f"results_root={tmp_path}", "model.weights=synthetic")
+    (profile / "best_k.json").write_text(json.dumps({"best_k": 12, "workload": workload(calibrated)}))
+    assert specter_config(calibrated, model_choice(calibrated).spec).k == 12
+    with pytest.raises(SpecterError, match="is for dsv2: calibrated weights"):
+        specter_config(synthetic, model_choice(synthetic).spec)

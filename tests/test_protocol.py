@@ -50,3 +50,25 @@ def test_a_system_failing_in_its_warm_up_becomes_an_unavailable_row_and_the_rest
                                            "generate (code -11, SIGSEGV)")
     assert rows["target_only"]["generated_tokens"] == 8
     assert "llama_cpp failed in its warm-up" in capsys.readouterr().err
+
+
+def test_each_system_warms_up_as_long_as_its_measured_cases_within_its_cap(tmp_path):
+    target, slow = Counting("target_only"), Counting("slow")
+    run_cases([target, slow], {"builtin": [torch.tensor([[1, 2, 3]])]}, 1, 12, RecordWriter(tmp_path),
+              token_caps={"slow": 4})
+    assert target.calls == [12, 12] and slow.calls == [4, 4]  # warm-up, then the case
+    short = Counting("target_only")
+    (tmp_path / "b").mkdir()
+    run_cases([short], {"builtin": [torch.tensor([[1, 2, 3]])]}, 1, 12, RecordWriter(tmp_path / "b"), warmup_tokens=5)
+    assert short.calls == [5, 12]
+
+
+def test_a_resumed_run_skips_systems_whose_cases_are_done(tmp_path):
+    prompts = {"builtin": [torch.tensor([[1, 2, 3]])]}
+    run_cases([Counting("target_only"), Counting("slow")], prompts, 1, 6, RecordWriter(tmp_path))
+    target, slow = Counting("target_only"), Counting("slow")
+    run_cases([target, slow], prompts, 2, 6, RecordWriter(tmp_path, resume=True))  # one more repeat
+    assert target.calls == [6, 6] and slow.calls == [6, 6]  # warm-up, then repeat 1 only
+    target, slow = Counting("target_only"), Counting("slow")
+    run_cases([target, slow], prompts, 2, 6, RecordWriter(tmp_path, resume=True))
+    assert target.calls == [] and slow.calls == []  # nothing left: no warm-up either
