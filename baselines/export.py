@@ -24,8 +24,9 @@ DRAFT_PREFIX = "draft_"
 
 def target_tensors(model: HybridMoEModel) -> dict[str, torch.Tensor]:
     """HF names -> the target's tensors (parameters and buffers), routed experts in HF's 3-D layout."""
-    tensors = {name: t for name, t in [*model.hf.named_parameters(), *model.hf.named_buffers()]
-               if not name.rpartition(".")[2].startswith(DRAFT_PREFIX)}
+    # remove_duplicate=False: after a forward, longrope's inv_freq and original_inv_freq can be one tensor
+    named = [*model.hf.named_parameters(), *model.hf.named_buffers(remove_duplicate=False)]
+    tensors = {name: t for name, t in named if not name.rpartition(".")[2].startswith(DRAFT_PREFIX)}
     expert_modules = [name for name, m in model.hf.named_modules() if isinstance(m, HybridExperts)]
     for name, module in zip(expert_modules, model.experts, strict=True):
         if model.host_store is not None:
@@ -46,7 +47,7 @@ def plain_hf_model(model: HybridMoEModel, device: str | torch.device = "cpu",
         hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     hf.to_empty(device=device)
     source = target_tensors(model)
-    for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+    for name, tensor in [*hf.named_parameters(), *hf.named_buffers(remove_duplicate=False)]:
         if name not in source:
             raise SpecterError(f"cannot export {type(hf).__name__}: no target tensor for {name}")
         tensor.copy_(source[name].to(device=device, dtype=tensor.dtype if tensor.is_floating_point() else None))
