@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specter.batch.engine import active_requests, batch_results, generated_tokens
-from specter.batch.state import BatchState
+from specter.batch.state import BatchState, refuse_rope_switch
 from specter.inputs import check_batch, check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
@@ -53,6 +53,7 @@ class TargetOnly:
             metrics.commit(1)
             if len(state.generated) == max_new_tokens:
                 break
+            state.window(0)  # at a longrope switch: recompute the whole sequence
             logits = self.model.forward(state.uncached(), state.cache, "target")[0, -1]
             next_token = logits.argmax(dim=-1, keepdim=True)
         stats = metrics.summary()
@@ -63,6 +64,7 @@ class TargetOnly:
 
     def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[GenerationResult]:
         """All requests one token per step in one forward [B, 1]; each expert loaded once per step for all."""
+        refuse_rope_switch(self.model, prompts, max_new_tokens)
         state = BatchState(self.model, prompts)
         metrics = [DecodeMetrics(self.model.device) for _ in prompts]
         state.commit_first(state.prefill().argmax(dim=-1).tolist())

@@ -1,6 +1,7 @@
 """The paper's experiments: main comparison, speculation depth, prefix length, routing diversity, kernel."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def run_depth(cfg, out_dir: Path, open_writer):
     best = best_k(writer.rows)
     (out_dir / "best_k.json").write_text(json.dumps({"model": model.spec.name, "mem": cfg.mem.name, "best_k": best,
                                                      "workload": workload(cfg)}))
-    return header(model, config, cfg, f"depth (best K = {best})"), SUMMARY_KEYS["depth"]
+    best_config = dataclasses.replace(config, k=best)  # the header's K is the profile's answer
+    return header(model, best_config, cfg, f"depth (K in {ks}, best K = {best})"), SUMMARY_KEYS["depth"]
 
 
 def best_k(rows: list[dict]) -> int:

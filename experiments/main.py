@@ -3,9 +3,12 @@
     python -m experiments.main                                  # tiny default on CPU (main comparison)
     python -m experiments.main model=dsv2 mem=low dataset=all   # the paper's protocol on a checkpoint
     python -m experiments.main experiment=depth                 # also: prefix, routing, kernel
+    python -m experiments.main model=/models/Mixtral-8x7B       # any HF checkpoint directory of the four architectures
 """
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,9 +19,52 @@ from experiments import records
 from experiments.experiments import EXPERIMENTS
 from experiments.settings import results_dir, write_run_json
 from specter.errors import SpecterError
+from specter.models.loading import checkpoint_architecture
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 CHECKED_GROUPS = ("model", "mem", "dataset", "experiment")
+HYDRA_SPECIAL = re.compile(r"([\\()\[\]{}:=, \t])")  # characters Hydra's override grammar needs escaped
+
+
+def names_checkpoint(option: str) -> bool:
+    """Whether a `model=` value is a checkpoint directory: not a conf/model option, and an existing path
+    or anything with a path separator."""
+    if (CONF / "model" / f"{option}.yaml").is_file():
+        return False
+    return Path(option).exists() or "/" in option or os.sep in option
+
+
+def checkpoint_overrides(argv: list[str]) -> list[str]:
+    """argv with `model=<checkpoint dir>` rewritten, before Hydra composes, into
+    `model=<its architecture> model.checkpoint=<dir> model.weights=checkpoint model.label=<dir name>`.
+
+    The architecture is the registered one of config.json's model_type (its conf/model file gives K and
+    the memory presets); the label names the results directory. A model.weights= or model.label= the
+    command line gives itself wins; a second checkpoint (model.checkpoint=) is refused.
+    """
+    given = {arg.partition("=")[0].lstrip("+~") for arg in argv if "=" in arg}
+    out: list[str] = []
+    for arg in argv:
+        group, sep, option = arg.partition("=")
+        if group != "model" or not sep or not names_checkpoint(option):
+            out.append(arg)
+            continue
+        if "model.checkpoint" in given:
+            raise SpecterError(f"model={option} already names the checkpoint directory: drop model.checkpoint=")
+        path = Path(option)
+        spec = checkpoint_architecture(path)
+        out += [f"model={spec.name}", f"model.checkpoint={hydra_escape(str(path))}"]
+        if "model.weights" not in given:
+            out.append("model.weights=checkpoint")
+        label = path.resolve().name
+        if "model.label" not in given and label:
+            out.append(f"model.label={hydra_escape(label)}")
+    return out
+
+
+def hydra_escape(value: str) -> str:
+    """A value as one Hydra override value (paths may hold spaces, commas, colons, brackets)."""
+    return HYDRA_SPECIAL.sub(r"\\\1", value)
 
 
 def check_group_choices(argv: list[str]) -> None:
@@ -62,6 +108,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     try:
+        sys.argv[1:] = checkpoint_overrides(sys.argv[1:])
         check_group_choices(sys.argv[1:])
     except SpecterError as err:
         print(f"error: {err}", file=sys.stderr)

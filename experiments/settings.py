@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,8 @@ from omegaconf import OmegaConf
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.models.calibrated import routing_profile
-from specter.models.loading import WEIGHTS, checkpoint_dir, hf_config, load_model, with_layers
+from specter.models.loading import (WEIGHTS, check_architecture, checkpoint_dir, hf_config, load_model,
+                                    with_layers)
 from specter.models.registry import ModelSpec, get_spec
 from specter.offload.budget import plan_memory
 
@@ -32,6 +34,7 @@ class ModelChoice:
     draft: str | None = None
     weights: str = "checkpoint"  # checkpoint | synthetic | calibrated
     layers: int | None = None  # synthetic/calibrated depth override
+    tokenizer: str = "auto"  # checkpoints: auto (their own) or byte
 
     @property
     def source(self) -> str:
@@ -59,6 +62,8 @@ def model_choice(cfg) -> ModelChoice:
                            f"DIR --only {spec.name}` and set SPECTER_MODELS=DIR, or pass model.weights=synthetic")
     if spec.is_tiny and not synthetic:
         raise SpecterError(f"{spec.name} is a tiny synthetic model; it has no checkpoint (use model.weights=synthetic)")
+    if not synthetic:
+        check_architecture(checkpoint_path(cfg), spec)
     device = None if cfg.device == "auto" else cfg.device
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
         raise SpecterError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
@@ -67,7 +72,30 @@ def model_choice(cfg) -> ModelChoice:
     draft = None if cfg.model.get("draft") is None else str(cfg.model.draft)
     if layers is not None:
         with_layers(spec, layers)  # validates the depth before anything loads
-    return ModelChoice(spec, synthetic, checkpoint, device, dtype, draft, cfg.model.weights, layers)
+    return ModelChoice(spec, synthetic, checkpoint, device, dtype, draft, cfg.model.weights, layers,
+                       str(cfg.model.get("tokenizer") or "auto"))
+
+
+def checkpoint_path(cfg) -> Path | None:
+    """The checkpoint directory a run loads: model.checkpoint, else $SPECTER_MODELS/<name>; None for seeded weights."""
+    if cfg.model.weights != "checkpoint":
+        return None
+    if cfg.model.checkpoint is not None:
+        return Path(str(cfg.model.checkpoint))
+    spec = get_spec(cfg.model.name)
+    return None if spec.is_tiny else checkpoint_dir(spec)
+
+
+def run_name(cfg) -> str:
+    """The model part of a results directory's name: model.label (model=<checkpoint dir> sets it to the
+    directory's name), else the model's name."""
+    label = cfg.model.get("label")
+    if label is None:
+        return get_spec(cfg.model.name).name
+    label = str(label)
+    if label in ("", ".", "..") or "/" in label or os.sep in label:
+        raise SpecterError(f"model.label names the results directory: it must be a plain name, got {label!r}")
+    return label
 
 
 def resident_slots(cfg, spec: ModelSpec) -> int:
@@ -98,17 +126,23 @@ def specter_config(cfg, spec: ModelSpec, k: int | None = None) -> SpecterConfig:
 def profiled_k(cfg, spec: ModelSpec) -> int:
     """The depth experiment's best K for this model and workload: this memory setting's profile, else
     the high one's. A profile measured on other weights (synthetic against calibrated) is refused."""
-    depth, mismatch = Path(cfg.results_root) / "depth", []
+    depth, mismatch, name = Path(cfg.results_root) / "depth", [], run_name(cfg)
     for mem in (cfg.mem.name, "high"):
-        path = depth / f"{spec.name}-{mem}" / "best_k.json"
+        path = depth / f"{name}-{mem}" / "best_k.json"
         if path.is_file():
             profile = json.loads(path.read_text())
             if profile.get("workload", workload(cfg)) == workload(cfg):
                 return int(profile["best_k"])
             mismatch.append(f"{path} is for {profile['workload']}")
     found = f" ({'; '.join(mismatch)})" if mismatch else ""
-    raise SpecterError(f"k=auto needs {depth / f'{spec.name}-{cfg.mem.name}' / 'best_k.json'} for {workload(cfg)}"
-                       f"{found}: run `python -m experiments.main experiment=depth model={cfg.model.name} "
+    label, checkpoint = cfg.model.get("label"), cfg.model.checkpoint
+    if checkpoint is not None and label is not None and Path(str(checkpoint)).resolve().name == label:
+        source = f"model={checkpoint}"  # how model=<checkpoint dir> was given
+    else:
+        source = f"model={cfg.model.name}" + ("" if checkpoint is None else f" model.checkpoint={checkpoint}") \
+            + ("" if label is None else f" model.label={label}")
+    raise SpecterError(f"k=auto needs {depth / f'{name}-{cfg.mem.name}' / 'best_k.json'} for {workload(cfg)}"
+                       f"{found}: run `python -m experiments.main experiment=depth {source} "
                        f"mem={cfg.mem.name} model.weights={cfg.model.weights}` first")
 
 
@@ -116,8 +150,9 @@ def results_dir(cfg) -> tuple[Path, bool]:
     """(where this run writes, whether it resumes an earlier run there); never overwrites.
 
     An explicit results_dir that exists is refused unless resume=true; the default
-    results/<experiment>/<model>-<mem> gets a numeric suffix (.1, .2, ...) instead, or with
-    resume=true is continued (its finished cases are skipped).
+    results/<experiment>/<model>-<mem> (<model>: model.label if set, e.g. a checkpoint directory's
+    name) gets a numeric suffix (.1, .2, ...) instead, or with resume=true is continued (its
+    finished cases are skipped).
     """
     if cfg.results_dir is not None:
         path = Path(cfg.results_dir)
@@ -125,7 +160,7 @@ def results_dir(cfg) -> tuple[Path, bool]:
             raise SpecterError(f"results directory {path} already exists; it is never overwritten: "
                                f"pass another results_dir= or resume=true")
         return path, path.exists()
-    base = Path(cfg.results_root) / cfg.experiment.name / f"{get_spec(cfg.model.name).name}-{cfg.mem.name}"
+    base = Path(cfg.results_root) / cfg.experiment.name / f"{run_name(cfg)}-{cfg.mem.name}"
     if cfg.resume:
         return base, base.exists()
     path, n = base, 0
@@ -136,10 +171,13 @@ def results_dir(cfg) -> tuple[Path, bool]:
 
 
 def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
-    """run.json: resolved config, git commit, device, package versions, and whether the run finished."""
+    """run.json: resolved config, the checkpoint directory read (absolute; null for seeded weights), git
+    commit, device, package versions, and whether the run finished."""
+    checkpoint = checkpoint_path(cfg)
     info = {
         "complete": complete,
         "workload": workload(cfg),
+        "checkpoint": None if checkpoint is None else str(checkpoint.resolve()),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "git_commit": _git_commit(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -180,13 +218,18 @@ def load(cfg):
     config = specter_config(cfg, choice.spec)
     model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=int(cfg.seed),
                        draft=choice.draft, weights=choice.weights if choice.synthetic else None,
-                       num_layers=choice.layers)
+                       num_layers=choice.layers, tokenizer=choice.tokenizer)
     return model, config
 
 
 def header(model, config, cfg, what: str) -> str:
     """The line printed above a run's summary table."""
     depth = "" if cfg.model.get("layers") is None else f", {cfg.model.layers} layers"
-    return (f"{what}: {model.spec.name} ({cfg.model.weights} weights{depth}), K={config.k}, {config.resident_experts_per_layer} "
+    weights = f"{cfg.model.weights} weights{depth}"
+    checkpoint = checkpoint_path(cfg)
+    if checkpoint is not None:
+        as_model = "" if model.spec.name == cfg.model.name else f" as model={cfg.model.name}"
+        weights = f"checkpoint {checkpoint}{as_model}"
+    return (f"{what}: {model.spec.name} ({weights}), K={config.k}, {config.resident_experts_per_layer} "
             f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
             f"{cfg.max_new_tokens} tokens on {model.device}")

@@ -12,7 +12,8 @@
 # report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS (default 1), TF_CAP
 # (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8 or k=auto, which
-# reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none), resuming the result
+# reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
+# or a run cut by the call loses its report.tgz), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
@@ -75,8 +76,8 @@ for step in "${STEPS[@]}"; do
                 num_prompts="${NUM_PROMPTS:-1}" repeats="${REPEATS:-1}" token_caps.transformers="${TF_CAP:-8}" \
                 results_root="${REPORT_DIR:-.report}" results_dir="$dir" resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
-            done; done
-            tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
+              tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}"  # after each run: unpack it in the repo to resume
+            done; done ;;
     batch) dir="${REPORT_DIR:-.report}/batch-dsv2"; resume=false; [ -d "$dir" ] && resume=true
            python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights="${WEIGHTS:-synthetic}" \
              dataset="${BATCH_DATASET:-gsm8k}" num_prompts=32 repeats=1 max_new_tokens="${BATCH_TOKENS:-64}" \

@@ -74,9 +74,9 @@ class SpecterEngine:
         metrics.commit(1)
         self._end_prefill()
         while len(state.generated) < max_new_tokens and not _ended(state.generated, eos_token_id):
-            k = min(self.config.k, max_new_tokens - len(state.generated) - 1)
+            k = state.window(min(self.config.k, max_new_tokens - len(state.generated) - 1))
             new_tokens, accepted = self.speculate(state, k, metrics)
-            state.commit(new_tokens, kv_keep=state.kv_length + 1 + accepted)
+            state.commit(new_tokens, kv_keep=state.kv_length + state.uncached_length + accepted)
             metrics.commit(len(new_tokens))
             metrics.window(k, accepted)
             self._close_window(k, quality)
@@ -90,8 +90,8 @@ class SpecterEngine:
         drafts, draft_probs = self.draft(state, k)
         metrics.end("draft")
         metrics.begin("verify")
-        verify_input = torch.cat([state.uncached(), drafts.view(1, -1)], dim=1)  # [1, k+1]
-        target_logits = self.model.forward(verify_input, state.cache, TARGET)[0]  # [k+1, V]
+        verify_input = torch.cat([state.uncached(), drafts.view(1, -1)], dim=1)  # [1, u+k], u = 1 but at a rope switch
+        target_logits = self.model.forward(verify_input, state.cache, TARGET)[0, -(k + 1):]  # [k+1, V]
         if self.config.greedy:
             accepted, new_tokens = greedy_accept(drafts, target_logits)
         else:

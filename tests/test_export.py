@@ -32,3 +32,15 @@ def test_checkpoint_of_an_offloaded_model_decodes_like_hf(tmp_path, name):
     ids = prompt()
     out = loaded.generate(ids, max_new_tokens=10, do_sample=False)
     assert out[0, ids.shape[1]:].tolist() == hf_greedy(name, ids, 10)
+
+
+def test_export_after_a_decode_of_a_longrope_model(tmp_path):
+    """After a forward, longrope's inv_freq and original_inv_freq are one tensor: both names still export."""
+    model = specter.load_model("tiny-phi", device="cpu", dtype=torch.float32, seed=3)
+    assert model.hf.config.rope_parameters["rope_type"] == "longrope"
+    tokens = specter.SpecterEngine(model, specter.SpecterConfig(k=4)).generate(prompt(), 8).token_ids
+    rotary = model.hf.model.rotary_emb
+    assert rotary.inv_freq is rotary.original_inv_freq  # the state that broke the export
+    save_checkpoint(model, tmp_path)
+    again = specter.load_model(tmp_path, device="cpu", dtype=torch.float32)  # byte ids recorded by the export
+    assert specter.SpecterEngine(again, specter.SpecterConfig(k=4)).generate(prompt(), 8).token_ids == tokens

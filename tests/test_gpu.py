@@ -8,12 +8,18 @@ from specter.offload.streams import DeviceStreams
 from tests.conftest import prompt
 
 pytestmark = pytest.mark.gpu
+HALF = [torch.bfloat16, torch.float16]  # bfloat16: the default on CUDA (the checkpoints' dtype)
 
 
+def test_the_default_dtype_on_cuda_is_bfloat16():
+    assert specter.load_model("tiny", device="cuda").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen", "tiny-phi", "tiny-mixtral"])
-def test_fp16_greedy_equals_target_only_on_cuda(name):
-    model = specter.load_model(name, device="cuda", dtype=torch.float16)
-    assert model.device.type == "cuda" and model.dtype == torch.float16
+def test_half_precision_greedy_equals_target_only_on_cuda(name, dtype):
+    model = specter.load_model(name, device="cuda", dtype=dtype)
+    assert model.device.type == "cuda" and model.dtype == dtype
     ids = prompt()
     reference = TargetOnly(model).generate(ids, 32).token_ids
     for k in (1, 4, 16):
@@ -47,9 +53,10 @@ def test_sampling_runs_on_cuda():
     assert len(out.token_ids) == 16
 
 
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", ["tiny", "tiny-mixtral"])
-def test_fp16_offloaded_greedy_equals_target_only_on_cuda(name):
-    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+def test_half_precision_offloaded_greedy_equals_target_only_on_cuda(name, dtype):
+    model = specter.load_model(name, device="cuda", dtype=dtype)
     ids = prompt()
     reference = TargetOnly(model).generate(ids, 32).token_ids  # all experts resident
     for slots in (1, 3):
@@ -61,7 +68,7 @@ def test_fp16_offloaded_greedy_equals_target_only_on_cuda(name):
 
 @pytest.mark.slow
 def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
-    model = specter.load_model("dsv2", synthetic=True, device="cuda", dtype=torch.float16, experts_on_host=True)
+    model = specter.load_model("dsv2", synthetic=True, device="cuda", experts_on_host=True)  # bfloat16
     ids = prompt()[:, :16]
     for mem in ("low", "high"):
         slots = model.spec.mem_presets[mem]
@@ -70,9 +77,10 @@ def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
         assert model.offload.cache.pool.shape[0] == model.num_moe_layers * slots + model.offload.cache.spare_rows
 
 
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
-def test_draft_graph_replay_gives_the_eager_tokens(name):
-    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+def test_draft_graph_replay_gives_the_eager_tokens(name, dtype):
+    model = specter.load_model(name, device="cuda", dtype=dtype)
     ids = prompt()
     eager = specter.SpecterEngine(model, specter.SpecterConfig(k=6, cuda_graph=False)).generate(ids, 40)
     graphed = specter.SpecterEngine(model, specter.SpecterConfig(k=6, resident_experts_per_layer=2))

@@ -77,6 +77,7 @@ def test_fused_matches_reference_fp32(case):
 @interpreted
 @pytest.mark.parametrize("case", [(3, 8, 2, 256, 128, "hot"), (16, 4, 3, 128, 256, "uniform")])
 def test_fused_matches_reference_fp16_interpreter(case):
+    """fp16 only: the CPU interpreter (triton 3.9) mis-converts bfloat16; the GPU tests cover it."""
     x, idx, w, gate_up, down = make_case(*case, dtype=torch.float16)
     out = K.fused_int4_moe(x, idx, w, gate_up, down, SILU)
     ref = int4_moe_reference(x, idx, w, gate_up, down, SILU)
@@ -193,6 +194,21 @@ class TestCuda:
         assert out.dtype == torch.float16 and torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-2
         assert rel_err(kernels.unfused_int4_moe(x, idx, w, gate_up, down), out) < 1e-3
+
+    @pytest.mark.parametrize("tokens", [1, 16])
+    def test_fused_matches_reference_in_bfloat16(self, kernels, layer, tokens):
+        """bfloat16 (the default dtype on CUDA): scales and activations in bf16, fp32 accumulation."""
+        fp16_gate_up, fp16_down, experts, k = layer
+        hidden, inter = fp16_gate_up.in_features, fp16_down.in_features
+        torch.manual_seed(1)
+        gate_up = quantize_rtn(torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02)
+        down = quantize_rtn(torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        idx = torch.rand(tokens, experts, device="cuda").topk(k).indices  # [T, k]
+        w = torch.rand(tokens, k, device="cuda").softmax(-1).bfloat16()
+        out = kernels.fused_int4_moe(x, idx, w, gate_up, down, SILU, workspace=kernels.MoEWorkspace())
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        assert rel_err(out, int4_moe_reference(x, idx, w, gate_up, down, SILU)) < 3e-2
 
     @pytest.mark.parametrize("tokens", [1, 17])  # a draft step; a K=16 verify window
     def test_one_launch_alignment_on_cuda(self, kernels, layer, tokens):

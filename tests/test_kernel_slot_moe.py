@@ -258,6 +258,21 @@ class TestCuda:
         if computed.any():
             assert rel_err(out[computed], ref[computed]) < 1e-2
 
+    @pytest.mark.parametrize("tokens", [1, 17])
+    def test_matches_reference_in_bfloat16(self, kernels, layer, tokens):
+        """bfloat16 (the default dtype on CUDA): the slot pool and activations in bf16."""
+        buf, slot_of, hidden, inter, experts, k = layer
+        buf = buf.bfloat16()
+        x, idx, out = self.case(layer, tokens)  # rows stay float32, as in verification
+        x = x.bfloat16()
+        ref = out.clone()
+        kernels.slot_moe_rows(x, idx, buf, slot_of, inter, out, workspace=MoEWorkspace())
+        kernels.slot_moe_rows_reference(x, idx, buf, slot_of, inter, ref)
+        computed = slot_of[idx.reshape(-1)] >= 0
+        assert torch.isfinite(out).all()
+        if computed.any():
+            assert rel_err(out[computed], ref[computed]) < 3e-2
+
     def test_call_does_not_synchronize(self, kernels, layer):
         buf, slot_of, hidden, inter, experts, k = layer
         x, idx, out = self.case(layer, 16)

@@ -9,12 +9,13 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
+from experiments.main import checkpoint_overrides
 from experiments.settings import model_choice, results_dir, specter_config, workload
 from experiments.summarize import main as summarize_main
 from experiments.summarize import summarize_dir
 from experiments.systems import build_system, known_systems
 from specter.errors import SpecterError
-from tests.conftest import tiny_model
+from tests.conftest import pristine_hf, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTERNAL_ENGINES = {"vllm", "llama_cpp"}
@@ -154,3 +155,90 @@ def test_k_auto_takes_the_depth_profile_of_the_same_workload_only(tmp_path):
     assert specter_config(calibrated, model_choice(calibrated).spec).k == 12
     with pytest.raises(SpecterError, match="is for dsv2: calibrated weights"):
         specter_config(synthetic, model_choice(synthetic).spec)
+
+
+def save_tiny_checkpoint(name: str, path: Path, model_type: str | None = None) -> Path:
+    """A tiny model saved as an HF checkpoint directory (config.json says its real model_type, or
+    `model_type`), with a small BPE tokenizer (vocab 300 <= the model's 320)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    pristine_hf(name).save_pretrained(path)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["Natalia sold clips to 48 of her friends in April, and half as many in May."] * 4, trainer)
+    words = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    words.save_pretrained(path)
+    if model_type is not None:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("checkpoints")
+    save_tiny_checkpoint("tiny-mixtral", root / "my mixtral")  # a space: the path must survive Hydra's parser
+    save_tiny_checkpoint("tiny-dsv2", root / "tiny-ds")
+    save_tiny_checkpoint("tiny-dsv2", root / "llama-like", model_type="llama")
+    return root
+
+
+CHECKPOINT_FAST = ("mem.slots=2", "num_prompts=1", "repeats=1", "max_new_tokens=4", "device=cpu")
+
+
+def test_model_can_be_a_checkpoint_directory(tmp_path, checkpoints):
+    """model=<dir>: the registered architecture of its config.json, its presets, results named after the dir."""
+    ckpt = checkpoints / "my mixtral"
+    result = run_main(f"model={ckpt}/", *CHECKPOINT_FAST, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = tmp_path / "results" / "main" / "my mixtral-high"
+    assert {p.name for p in out.iterdir()} == {"records.csv", "summary.csv", "run.json"}
+    run = json.loads((out / "run.json").read_text())
+    assert run["complete"] and run["checkpoint"] == str(ckpt.resolve())
+    model = run["config"]["model"]
+    assert (model["name"], model["weights"], model["checkpoint"], model["label"]) == \
+        ("mixtral", "checkpoint", str(ckpt), "my mixtral")
+    assert model["default_k"] == 8  # the registry's Mixtral presets
+    assert f"main: my mixtral (checkpoint {ckpt} as model=mixtral), K=8, 2 resident" in result.stdout
+    records = pd.read_csv(out / "records.csv")
+    assert set(records.system) == {"specter", "target_only"} and (records.status == "ok").all()
+
+
+def test_checkpoint_overrides_keep_what_the_command_line_gives(checkpoints):
+    ckpt = checkpoints / "tiny-ds"
+    assert checkpoint_overrides([f"model={ckpt}", "mem=low"]) == [
+        "model=dsv2", f"model.checkpoint={ckpt}", "model.weights=checkpoint", "model.label=tiny-ds", "mem=low"]
+    assert checkpoint_overrides(["model.weights=synthetic", f"model={ckpt}/", "model.label=x"]) == [
+        "model.weights=synthetic", "model=dsv2", f"model.checkpoint={ckpt}", "model.label=x"]
+    assert checkpoint_overrides(["model=dsv2", "mem=low"]) == ["model=dsv2", "mem=low"]  # a conf/model option
+    with pytest.raises(SpecterError, match="already names the checkpoint"):
+        checkpoint_overrides([f"model={ckpt}", "model.checkpoint=/elsewhere"])
+
+
+def test_model_label_names_the_default_results_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert results_dir(compose_with("model=qwen", "model.label=run-a")) == (Path("results/main/run-a-high"), False)
+    with pytest.raises(SpecterError, match="plain name"):
+        results_dir(compose_with("model.label=a/b"))
+
+
+@pytest.mark.parametrize("args,message", [
+    (("model=mixtral", "model.checkpoint={ckpt}/tiny-ds"),
+     "checkpoint {ckpt}/tiny-ds is a deepseek_v2 model (config.json), not the mixtral of mixtral: "
+     "pass model=dsv2 model.checkpoint={ckpt}/tiny-ds, or model={ckpt}/tiny-ds"),
+    (("model={ckpt}/llama-like",), "checkpoint {ckpt}/llama-like has model_type 'llama', which Specter does not "
+                                   "support; supported: deepseek_v2 (model=dsv2), mixtral (model=mixtral)"),
+    (("model=dsv2", "model.checkpoint={ckpt}/llama-like"), "has model_type 'llama', which Specter does not support"),
+    (("model={ckpt}/absent/",), "checkpoint path {ckpt}/absent does not exist"),
+    (("model={ckpt}",), "{ckpt} is not an HF checkpoint directory (no config.json)"),
+], ids=["other-architecture", "unsupported-type", "unsupported-type-explicit", "absent", "no-config-json"])
+def test_bad_checkpoint_directory_is_one_line_and_non_zero(tmp_path, checkpoints, args, message):
+    result = run_main(*(a.format(ckpt=checkpoints) for a in args), *CHECKPOINT_FAST, f"results_dir={tmp_path / 'r'}",
+                      cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().startswith("error:") and message.format(ckpt=checkpoints) in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "r").exists()

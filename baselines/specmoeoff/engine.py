@@ -99,7 +99,7 @@ class SpecMoEOff:
         target, draft = self.prefill(input_ids, max_new_tokens)
         metrics.commit(1)
         while len(target.generated) < max_new_tokens:
-            k = min(self.choose_k(), max_new_tokens - len(target.generated) - 1)
+            k = target.window(min(self.choose_k(), max_new_tokens - len(target.generated) - 1))
             window = self.speculate(target, draft, k, metrics)
             metrics.commit(len(window.tokens))
             metrics.window(k, window.accepted)
@@ -139,7 +139,7 @@ class SpecMoEOff:
         accepted, tokens = self.verify(target, drafts, draft_probs)
         metrics.end("verify")
         draft_keep = len(draft.tokens) + min(accepted, k - 1) if k else draft.kv_length  # its KV of accepted inputs
-        target.commit(tokens, kv_keep=target.kv_length + 1 + accepted)
+        target.commit(tokens, kv_keep=target.kv_length + target.uncached_length + accepted)
         draft.commit(tokens, kv_keep=draft_keep)
         return Window(k, accepted, tokens, (time.perf_counter() - start) * 1e3, draft_ms)
 
@@ -166,8 +166,8 @@ class SpecMoEOff:
 
     def verify(self, target: StateManager, drafts: torch.Tensor, draft_probs) -> tuple[int, list[int]]:
         """Token-wise target pass over [uncached, d1..dk]; (n accepted, tokens to commit)."""
-        verify_input = torch.cat([target.uncached(), drafts.view(1, -1)], dim=1)  # [1, k+1]
-        logits = self.model.forward(verify_input, target.cache, TARGET)[0]  # [k+1, V]
+        verify_input = torch.cat([target.uncached(), drafts.view(1, -1)], dim=1)  # [1, u+k]
+        logits = self.model.forward(verify_input, target.cache, TARGET)[0, -(len(drafts) + 1):]  # [k+1, V]
         if self.config.greedy:
             return greedy_accept(drafts, logits)
         target_probs = logits_to_probs(logits, self.config.temperature, self.config.top_p)

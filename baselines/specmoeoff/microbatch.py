@@ -6,7 +6,7 @@ import time
 import torch
 
 from specter.batch.engine import active_requests, batch_results, generated_tokens
-from specter.batch.state import BatchState
+from specter.batch.state import BatchState, refuse_rope_switch
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid_experts import TARGET
@@ -79,6 +79,7 @@ def generate_microbatches(engine, prompts: list[torch.Tensor], max_new_tokens: i
     the shared LRU cache, K from the cost model; the turns run one after the other on the device."""
     if not engine.config.greedy:
         raise SpecterError("batched decoding is greedy only: use temperature=0")
+    refuse_rope_switch(engine.model, prompts, max_new_tokens)
     engine._reset()
     half = (len(prompts) + 1) // MICROBATCHES
     micro = [Microbatch(engine, part) for part in (prompts[:half], prompts[half:]) if part]

@@ -13,7 +13,7 @@ from specter.prefetch.quality import PrefetchQuality
 from specter.spec.sampling import greedy_accept_batch
 from specter.spec.state import new_static_cache
 
-from .state import BatchState
+from .state import BatchState, refuse_rope_switch
 
 
 def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
@@ -29,6 +29,7 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
     if not engine.config.greedy:
         raise SpecterError("batched decoding is greedy only: use temperature=0")
     engine._reset()
+    refuse_rope_switch(engine.model, prompts, max_new_tokens)
     state = BatchState(engine.model, prompts, static_batch_cache(engine, prompts, max_new_tokens))
     metrics = [DecodeMetrics(engine.model.device) for _ in prompts]
     first = state.prefill().argmax(dim=-1).tolist()  # [B]

@@ -9,8 +9,19 @@ import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from specter.errors import SpecterError
 from specter.models.hybrid_experts import TARGET
-from specter.spec.state import crop_cache
+from specter.spec.state import crop_cache, rope_switch
+
+
+def refuse_rope_switch(model, prompts: list, max_new_tokens: int) -> None:
+    """Batched decoding keeps one cache for all requests, so it cannot recompute one request's cache at
+    a longrope switch (see StateManager.window): a batch that would reach it is a one-line error."""
+    switch = rope_switch(model.hf.config)
+    longest = max(p.shape[-1] for p in prompts)  # each [1, T]
+    if switch is not None and longest + max_new_tokens > switch:
+        raise SpecterError(f"batched decoding reaches position {longest + max_new_tokens}, past this longrope "
+                           f"model's switch at {switch}: decode these requests one at a time")
 
 
 def fill_static(cache: StaticCache, merged: DynamicCache) -> bool:

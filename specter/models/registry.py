@@ -65,6 +65,58 @@ def _tiny(model_type: str, **extra: Any) -> dict[str, Any]:
 
 
 _TINY_MEM = {"high": 4, "low": 2}
+
+# RoPE of the real checkpoints (their config.json `rope_scaling` and `rope_theta`, as transformers 5 reads them).
+# deepseek-ai/DeepSeek-V2-Lite: yarn; Qwen1.5-MoE-A2.7B and Mixtral-8x7B: default RoPE with theta 1e6.
+DSV2_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                 beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+# microsoft/Phi-3.5-MoE-instruct config.json rope_scaling (64 = head_dim 128 / 2 entries each), as repeated
+# verbatim in Ascend/MindSpeed-LLM examples/mcore/phi35/pretrain_phi35_moe_ptd.sh (LONG_FACTOR / SHORT_FACTOR,
+# --long-mscale/--short-mscale 1.243163121016122, --rope-scaling-original-max-position-embeddings 4096); the
+# first 8 entries of each agree with the phimoe tests of EasyDeL, which load the Hub config.
+PHI_LONG_FACTOR = [
+    1.0199999809265137, 1.0299999713897705, 1.0399999618530273, 1.0499999523162842, 1.0499999523162842,
+    1.0499999523162842, 1.059999942779541, 1.059999942779541, 1.059999942779541, 1.059999942779541,
+    1.059999942779541, 1.059999942779541, 1.0999999046325684, 1.1799999475479126, 1.1799999475479126,
+    1.3700000047683716, 1.4899998903274536, 2.109999895095825, 2.8899998664855957, 3.9499998092651367,
+    4.299999713897705, 6.429999828338623, 8.09000015258789, 10.690000534057617, 12.050000190734863,
+    18.229999542236328, 18.84000015258789, 19.899999618530273, 21.420000076293945, 26.200000762939453,
+    34.28000259399414, 34.590003967285156, 38.730003356933594, 40.22000503540039, 42.54000473022461,
+    44.000003814697266, 47.590003967285156, 54.750003814697266, 56.19000244140625, 57.44000244140625,
+    57.4900016784668, 61.20000076293945, 61.540000915527344, 61.75, 61.779998779296875,
+    62.06999969482422, 63.11000061035156, 63.43000030517578, 63.560001373291016, 63.71000289916992,
+    63.92000198364258, 63.94000244140625, 63.94000244140625, 63.96000289916992, 63.980003356933594,
+    64.0300064086914, 64.0300064086914, 64.0300064086914, 64.04000854492188, 64.10000610351562,
+    64.19000244140625, 64.20999908447266, 64.75, 64.95999908447266,
+]
+PHI_SHORT_FACTOR = [
+    1.0, 1.0399999618530273, 1.0399999618530273, 1.0399999618530273, 1.0499999523162842,
+    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842,
+    1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.0499999523162842, 1.059999942779541,
+    1.059999942779541, 1.0699999332427979, 1.0699999332427979, 1.0699999332427979, 1.0699999332427979,
+    1.1399999856948853, 1.159999966621399, 1.159999966621399, 1.159999966621399, 1.159999966621399,
+    1.1799999475479126, 1.1999999284744263, 1.3199999332427979, 1.3399999141693115, 1.3499999046325684,
+    1.3999998569488525, 1.4799998998641968, 1.4999998807907104, 1.589999794960022, 1.6499998569488525,
+    1.71999990940094, 1.8999998569488525, 1.9099998474121094, 1.9099998474121094, 1.9899998903274536,
+    1.9999998807907104, 1.9999998807907104, 2.009999990463257, 2.009999990463257, 2.009999990463257,
+    2.009999990463257, 2.009999990463257, 2.009999990463257, 2.009999990463257, 2.009999990463257,
+    2.009999990463257, 2.009999990463257, 2.009999990463257, 2.009999990463257, 2.009999990463257,
+    2.009999990463257, 2.009999990463257, 2.009999990463257, 2.009999990463257, 2.0999999046325684,
+    2.319999933242798, 2.419999837875366, 2.5899999141693115, 2.7899999618530273,
+]
+PHI_MSCALE = 1.243163121016122  # short_mscale = long_mscale in Phi-3.5-MoE-instruct
+THETA_1E6 = dict(rope_type="default", rope_theta=1000000.0)
+
+
+def phi_rope(short_factor: list[float], long_factor: list[float], switch: int = 4096) -> dict:
+    """Phi-3.5-MoE's longrope: short factors up to position `switch` (original_max_position_embeddings), long after."""
+    return dict(rope_type="longrope", rope_theta=10000.0, short_factor=list(short_factor), long_factor=list(long_factor),
+                short_mscale=PHI_MSCALE, long_mscale=PHI_MSCALE, original_max_position_embeddings=switch)
+
+
+def resample(values: list[float], n: int) -> list[float]:
+    """`values` at n evenly spaced places (a tiny model's head_dim / 2 factors from the real list)."""
+    return [values[round(i * (len(values) - 1) / max(n - 1, 1))] for i in range(n)]
 _INF = float("inf")
 
 # weights="calibrated": fitted by scripts/fit_calibration.py to the real checkpoints' routing-locality.tsv rows
@@ -96,7 +148,8 @@ _SPECS = [
     ModelSpec(
         "tiny-phi", "phimoe",
         _tiny("phimoe", num_local_experts=8, initializer_range=0.05, sliding_window=None, attention_bias=True, lm_head_bias=True,
-              rms_norm_eps=1e-5),
+              rms_norm_eps=1e-5, rope_parameters=phi_rope(resample(PHI_SHORT_FACTOR, 16), resample(PHI_LONG_FACTOR, 16),
+                                                           switch=256)),
         default_k=4, mem_presets=_TINY_MEM, description="PhiMoE architecture, tiny random weights",
     ),
     ModelSpec(
@@ -112,7 +165,7 @@ _SPECS = [
              n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
              q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
              topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
-             norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+             norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_parameters=DSV2_ROPE,
              bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False),
         default_k=16, mem_presets={"high": 16, "low": 4}, hf_repo="deepseek-ai/DeepSeek-V2-Lite",
         description="DeepSeek-V2-Lite (16B, 64 routed experts top-6)",
@@ -127,7 +180,7 @@ _SPECS = [
         dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
              shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
              num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, decoder_sparse_step=1,
-             norm_topk_prob=False, max_position_embeddings=8192, rms_norm_eps=1e-6,
+             norm_topk_prob=False, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_parameters=THETA_1E6,
              use_sliding_window=False, bos_token_id=151643, eos_token_id=151643, tie_word_embeddings=False),
         default_k=8, mem_presets={"high": 15, "low": 8}, hf_repo="Qwen/Qwen1.5-MoE-A2.7B",
         description="Qwen1.5-MoE-A2.7B (14B, 60 routed experts top-4)",
@@ -142,9 +195,10 @@ _SPECS = [
         dict(vocab_size=32064, hidden_size=4096, intermediate_size=6400, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=8, num_local_experts=16, num_experts_per_tok=2,
              max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=None, attention_bias=True,
-             lm_head_bias=True, bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False),
+             lm_head_bias=True, rope_parameters=phi_rope(PHI_SHORT_FACTOR, PHI_LONG_FACTOR),
+             bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False),
         default_k=16, mem_presets={"high": 2, "low": 1}, hf_repo="microsoft/Phi-3.5-MoE-instruct",
-        description="Phi-3.5-MoE (42B, 16 experts top-2; synthetic build uses default RoPE, not longrope)",
+        description="Phi-3.5-MoE (42B, 16 experts top-2, longrope)",
         routing_profile=RoutingProfile(  # fitted on the CPU at 1 layer (float32, 6 prompts x 128 tokens)
             factors=((1.0207, 6.1304), (0.8036, 50.595), (0.6018, _INF)), token_weight=1.0, accept_gain=7.669,
             embed_scale=12.0, target=(("LRU@0.5", 0.23), ("LRU@1", 0.42), ("LRU@2", 0.65), ("LRU@4", 0.85),
@@ -155,7 +209,7 @@ _SPECS = [
         "mixtral", "mixtral",
         dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-             max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+             max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None, rope_parameters=THETA_1E6,
              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
         default_k=8, mem_presets={"high": 4, "low": 2}, hf_repo="mistralai/Mixtral-8x7B-v0.1",
         description="Mixtral-8x7B (47B, 8 experts top-2)",

@@ -24,6 +24,18 @@ def crop_cache(cache, keep: int) -> None:
         cache.crop(-excess)
 
 
+def rope_switch(config) -> int | None:
+    """The first position a longrope model (Phi-3.5-MoE) computes with its long factors, else None.
+
+    HF's longrope picks the long factors for a forward reaching position `original_max_position_embeddings`,
+    and its generate() drops the KV cache there and recomputes the whole sequence with them.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope" and params.get("original_max_position_embeddings"):
+        return int(params["original_max_position_embeddings"])
+    return None
+
+
 def new_static_cache(model, max_length: int) -> StaticCache:
     """A preallocated KV cache of `max_length` positions (fixed addresses: CUDA-graph safe)."""
     return StaticCache(config=model.hf.config, max_cache_len=max_length)
@@ -46,6 +58,7 @@ class StateManager:
         self.prompt_length = len(self.tokens)
         self._device_tokens = prompt.to(model.device)  # [1, T]
         self.kv_length = 0
+        self.switch = rope_switch(model.hf.config)
 
     @property
     def generated(self) -> list[int]:
@@ -54,6 +67,22 @@ class StateManager:
     def uncached(self) -> torch.Tensor:
         """Input ids [1, n] of committed tokens without KV (one token after the first commit)."""
         return self._device_tokens[:, self.kv_length:]
+
+    @property
+    def uncached_length(self) -> int:
+        return self._device_tokens.shape[1] - self.kv_length
+
+    def window(self, k: int) -> int:
+        """How many tokens the next window may draft: k, or fewer so that no forward spans a longrope
+        model's switch position (HF computes positions before it with the short factors). At the switch
+        the cache is dropped and 0 returned: the next forward recomputes the whole sequence, as HF does."""
+        if self.switch is None or self.kv_length > self.switch:
+            return k
+        if self.kv_length == self.switch:
+            crop_cache(self.cache, 0)
+            self.kv_length = 0
+            return 0
+        return min(k, self.switch - 1 - self.kv_length)
 
     def prefill(self) -> torch.Tensor:
         """Target forward over the prompt; returns the last position's logits [V]."""
