@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from specter.models.hybrid_experts import DRAFT
+from specter.spec.state import rope_switch
 
 WARMUP_STEPS = 2
 
@@ -63,6 +64,8 @@ def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | N
     A batch passes its first step's `mask` and `positions` (their shapes are captured)."""
     if model.device.type != "cuda":
         return None, "no CUDA device"
+    if rope_switch(model.hf.config) is not None:  # a failed capture would leave the CUDA generator unusable
+        return None, "longrope picks its factors on the host from the positions (a sync in every step)"
     try:
         return DraftStepGraph(model, cache, elb, kv_length, mask, positions), ""
     except Exception as err:  # capture rejects host syncs and unsupported ops: fall back, say why
