@@ -41,8 +41,9 @@ def run_depth(cfg, out_dir: Path, open_writer):
     for repeat in range(cfg.repeats):
         for k in ks[repeat % len(ks):] + ks[: repeat % len(ks)]:  # candidate order rotated per repeat
             engine = build_system("specter", model, specter_config(cfg, model.spec, k=k))
-            run_cases([engine], prompts, 1, cfg.max_new_tokens, writer, tags={"k": k, "prefix_tokens": cfg.prefix_tokens},
-                      repeat_offset=repeat, warmup_tokens=cfg.warmup_tokens)
+            run_cases([engine], prompts, 1, cfg.max_new_tokens, writer,
+                      tags={"k": k, "prefix_tokens": cfg.prefix_tokens}, repeat_offset=repeat,
+                      warmup_tokens=cfg.warmup_tokens)
     best = best_k(writer.rows)
     (out_dir / "best_k.json").write_text(json.dumps({"model": model.spec.name, "mem": cfg.mem.name, "best_k": best,
                                                      "workload": workload(cfg)}))

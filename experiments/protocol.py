@@ -28,8 +28,9 @@ def warm_up(systems: list, ids: torch.Tensor, tokens, failed=None) -> list:
     """One generation per available system (excluded from the records); returns those that ran.
 
     `tokens` is an int or a function of the system's name: a warm-up as long as the measured cases
-    pays every first-use cost (allocator growth, kernels for the longer KV lengths) before timing. A system whose engine fails there with a SpecterError (e.g. its worker process crashed) is left out
-    and passed to `failed(system, reason)`, so the others still run; without `failed` the error propagates.
+    pays every first-use cost (allocator growth, kernels for the longer KV lengths) before timing. A
+    system whose engine fails there with a SpecterError (e.g. its worker process crashed) is left out and
+    passed to `failed(system, reason)`, so the others still run; without `failed` the error propagates.
     """
     ready = []
     for system in systems:
@@ -75,7 +76,9 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
             for dataset, cases in prompts.items() if not isinstance(cases, str)
             for repeat in range(repeats) for i in range(len(cases))]
     pending = [s for s in systems if any(not writer.done({**key, "system": s.name}) for key in keys)]
-    warm = (lambda name: case_tokens(name, warmup_tokens or max_new_tokens))
+    def warm(name: str) -> int:
+        return case_tokens(name, warmup_tokens or max_new_tokens)
+
     runnable = warm_up(pending, first, warm, unavailable_system) if first is not None else []
     total = sum(len(p) for p in prompts.values() if not isinstance(p, str)) * repeats * len(runnable)
     with tqdm(total=total, desc="decoding", unit="run", file=sys.stderr) as bar:

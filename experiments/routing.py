@@ -12,8 +12,8 @@ from experiments.datasets import prompts_for
 from experiments.figures import locality_figure
 from experiments.locality import REAL_NAMES, locality_curves, reference_curves
 from experiments.protocol import encode_prompts, warm_up
-from experiments.routing_trace import committed_routing, topk_recall
 from experiments.records import SUMMARY_KEYS, record, unavailable
+from experiments.routing_trace import committed_routing, topk_recall
 from experiments.settings import header, load
 from experiments.systems import build_system
 

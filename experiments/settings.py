@@ -14,8 +14,7 @@ from omegaconf import OmegaConf
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.models.calibrated import routing_profile
-from specter.models.loading import (WEIGHTS, check_architecture, checkpoint_dir, hf_config, load_model,
-                                    with_layers)
+from specter.models.loading import WEIGHTS, check_architecture, checkpoint_dir, hf_config, load_model, with_layers
 from specter.models.registry import ModelSpec, get_spec
 from specter.offload.budget import plan_memory
 
@@ -180,6 +179,7 @@ def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
         "checkpoint": None if checkpoint is None else str(checkpoint.resolve()),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),  # tracked files differ from git_commit (or a copy whose .git is stale)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
@@ -201,6 +201,15 @@ def _git_commit() -> str | None:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                              text=True, timeout=10)
         return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git_dirty() -> bool | None:
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)
+        return bool(out.stdout.strip()) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -2,8 +2,8 @@
 
     python scripts/bench_offload.py --models dsv2 qwen --mem high --prompts 2 --new-tokens 128 [--k 4 16] --out DIR
 
-Synthetic (or, with --weights calibrated, calibrated) full-size weights (fp16), 16-token prompts. Prints one table per model and writes
-offload.csv. The I/O floor of a run is the bytes of routed experts that were not resident when their
+Synthetic (or, with --weights calibrated, calibrated) full-size weights (bf16, or --dtype float16), 16-token
+prompts. Prints one table per model and writes offload.csv. The I/O floor of a run is the bytes of routed experts that were not resident when their
 verify window started, over the H2D bandwidth measured on the run's own copies, per committed token.
 """
 from __future__ import annotations
@@ -124,14 +124,16 @@ def host_profile(system, prompt: torch.Tensor, new_tokens: int, path: Path, top:
 
 def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
                 plan_only: bool = False, initial_chunk: int | None = None, variants: tuple = (),
-                quick: bool = False, profile_to: Path | None = None, weights: str = "synthetic") -> list[dict]:
+                quick: bool = False, profile_to: Path | None = None, weights: str = "synthetic",
+                dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     t0 = time.time()
-    model = specter.load_model(name, weights=weights, device="cuda", dtype=torch.float16)
+    model = specter.load_model(name, weights=weights, device="cuda", dtype=dtype)
     spec = model.spec
     slots, ks = spec.mem_presets[mem], ks or [spec.default_k]
     k = ks[0]
     prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:num_prompts]]
-    print(f"\n== {name} ({weights} weights): built in {time.time() - t0:.0f} s; K={k}, {slots} resident experts/layer ({mem}), "
+    print(f"\n== {name} ({weights} weights, {str(dtype).removeprefix('torch.')}): built in {time.time() - t0:.0f} s; "
+          f"K={k}, {slots} resident experts/layer ({mem}), "
           f"{num_prompts} prompts x {new_tokens} tokens", flush=True)
     resident = run(TargetOnly(model), prompts, new_tokens)
     reference = [r["tokens"] for r in resident]
@@ -228,6 +230,8 @@ def main() -> None:
                         help="one more Specter generate() under cProfile, written to OUT/host_profile_<model>.txt")
     parser.add_argument("--weights", choices=("synthetic", "calibrated"), default="synthetic",
                         help="seeded random weights, or calibrated ones (real routing locality and acceptance)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                        help="bfloat16: what the real checkpoints store (the harness's default on CUDA)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -236,7 +240,8 @@ def main() -> None:
     for name in args.models:
         model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only,
                                  args.initial_chunk, args.variants, args.quick,
-                                 args.out if args.host_profile else None, args.weights)
+                                 args.out if args.host_profile else None, args.weights,
+                                 getattr(torch, args.dtype))
         print_table(model_rows)
         rows += model_rows
     args.out.mkdir(parents=True, exist_ok=True)

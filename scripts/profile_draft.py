@@ -2,7 +2,7 @@
 
     python scripts/profile_draft.py --model dsv2 --out DIR
 
-Synthetic full-size weights (fp16), experts resident (the draft reads only the INT4 experts). Prints
+Synthetic full-size weights (bf16, the default on CUDA), experts resident (the draft reads only the INT4 experts). Prints
 the replayed step's median time, then the top kernels of one eager step and of one replay, grouped by
 name (torch.profiler), and writes profile.csv.
 """
@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: profile_draft.py needs a CUDA GPU")
-    model = specter.load_model(args.model, synthetic=True, device="cuda", dtype=torch.float16)
+    model = specter.load_model(args.model, synthetic=True, device="cuda")  # bfloat16, the default on CUDA
     with torch.inference_mode():  # as the engine runs: the KV cache is made of inference tensors
         profile(model, args)
 

@@ -2,7 +2,7 @@
 
     python scripts/profile_offload.py --model dsv2 --k 8 --tokens 48 --out DIR
 
-Synthetic full-size weights (fp16), the mem preset's slots. After a warm-up, one generate() runs under
+Synthetic full-size weights (bf16, the default on CUDA), the mem preset's slots. After a warm-up, one generate() runs under
 torch.profiler; the trace is split into time when expert copies and kernels overlap, when only one of
 them runs, and when neither does (the GPU waits for the host), and the kernels that run while the
 copy stream idles are listed. Profiling slows the host, so read the split, not the absolute times.
@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: profile_offload.py needs a CUDA GPU")
-    model = specter.load_model(args.model, synthetic=True, device="cuda", dtype=torch.float16)
+    model = specter.load_model(args.model, synthetic=True, device="cuda")  # bfloat16, the default on CUDA
     slots = model.spec.mem_presets[args.mem]
     offload_experts(model, slots)
     config = specter.SpecterConfig(k=args.k, resident_experts_per_layer=slots, prefetch=not args.no_prefetch)

@@ -7,11 +7,11 @@ import torch
 import transformers
 
 import specter
-from specter.models.hybrid_experts import is_hf_experts
 from specter.errors import SpecterError
+from specter.models.hybrid_experts import is_hf_experts
 from specter.models.loading import default_dtype, hf_config, stored_dtype
-from specter.models.tokenizer import ByteTokenizer
 from specter.models.registry import FULL_MODELS, TINY_MODELS, get_spec
+from specter.models.tokenizer import ByteTokenizer
 from specter.quant.int4 import GROUP_SIZE
 from tests.conftest import hf_greedy, pristine_hf, prompt
 
@@ -101,7 +101,8 @@ def test_an_incomplete_download_is_a_one_line_error(tmp_path, damage):
 def test_a_registered_name_refuses_a_checkpoint_of_another_architecture(tmp_path, monkeypatch):
     pristine_hf("tiny-dsv2").save_pretrained(tmp_path / "mixtral")  # a DeepSeek-V2 model where Mixtral belongs
     monkeypatch.setenv("SPECTER_MODELS", str(tmp_path))
-    with pytest.raises(SpecterError, match="is a deepseek_v2 model .config.json., not the mixtral of mixtral: pass model=dsv2"):
+    with pytest.raises(SpecterError, match="is a deepseek_v2 model .config.json., not the mixtral of mixtral: "
+                                           "pass model=dsv2"):
         specter.load_model("mixtral", device="cpu", dtype=torch.float32, tokenizer="byte")
 
 

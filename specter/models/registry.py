@@ -110,7 +110,8 @@ THETA_1E6 = dict(rope_type="default", rope_theta=1000000.0)
 
 def phi_rope(short_factor: list[float], long_factor: list[float], switch: int = 4096) -> dict:
     """Phi-3.5-MoE's longrope: short factors up to position `switch` (original_max_position_embeddings), long after."""
-    return dict(rope_type="longrope", rope_theta=10000.0, short_factor=list(short_factor), long_factor=list(long_factor),
+    return dict(rope_type="longrope", rope_theta=10000.0, short_factor=list(short_factor),
+                long_factor=list(long_factor),
                 short_mscale=PHI_MSCALE, long_mscale=PHI_MSCALE, original_max_position_embeddings=switch)
 
 
@@ -147,9 +148,9 @@ _SPECS = [
     ),
     ModelSpec(
         "tiny-phi", "phimoe",
-        _tiny("phimoe", num_local_experts=8, initializer_range=0.05, sliding_window=None, attention_bias=True, lm_head_bias=True,
-              rms_norm_eps=1e-5, rope_parameters=phi_rope(resample(PHI_SHORT_FACTOR, 16), resample(PHI_LONG_FACTOR, 16),
-                                                           switch=256)),
+        _tiny("phimoe", num_local_experts=8, initializer_range=0.05, sliding_window=None, attention_bias=True,
+              lm_head_bias=True, rms_norm_eps=1e-5,
+              rope_parameters=phi_rope(resample(PHI_SHORT_FACTOR, 16), resample(PHI_LONG_FACTOR, 16), switch=256)),
         default_k=4, mem_presets=_TINY_MEM, description="PhiMoE architecture, tiny random weights",
     ),
     ModelSpec(
