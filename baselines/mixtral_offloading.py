@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -10,12 +9,14 @@ import torch
 from baselines.target_only import TargetOnly
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
+from specter.hooks import attributes_set
 from specter.inputs import check_prompt, is_batch
 from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
-from specter.metrics import GenerationResult
+from specter.metrics import GenerationResult, h2d_per_token
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.budget import MemoryPlan, plan_memory
+from specter.offload.budget import MemoryPlan, plan_memory, specter_slots
 from specter.offload.host_store import HostExpertStore
+from specter.offload.runtime import move_experts_to_store
 from specter.offload.streams import DeviceStreams
 
 STAGING_BUFFERS = 4  # the original's default buffer_size; at most STAGING_BUFFERS - 1 swaps in flight per layer
@@ -199,7 +200,7 @@ class MixtralOffloading:
             input_ids = check_prompt(input_ids, max_new_tokens)
         cache = self._swap_cache()
         cache.reset()
-        with self._installed(SwapExecutor(cache, self.staging - 1)):
+        with attributes_set(self.model.experts, target_executor=SwapExecutor(cache, self.staging - 1)):
             result = self.loop.generate(input_ids, max_new_tokens)
         results = result if isinstance(result, list) else [result]
         stats = self._stats(cache, sum(r.stats["generated_tokens"] for r in results))
@@ -207,23 +208,13 @@ class MixtralOffloading:
             r.stats.update(stats)
         return result
 
-    @contextmanager
-    def _installed(self, executor: SwapExecutor):
-        """Every layer's target executor is `executor` inside the block; the previous ones afterwards."""
-        previous = [module.target_executor for module in self.model.experts]
-        for module in self.model.experts:
-            module.target_executor = executor
-        try:
-            yield
-        finally:
-            for module, old in zip(self.model.experts, previous):
-                module.target_executor = old
-
     def _swap_cache(self) -> SwapCache:
         """The cache over the model's host store (built once; again if the model's store appeared since)."""
         store = self.model.host_store
-        if store is None:
-            store = self.cache.store if self.cache is not None else copy_to_store(self.model)
+        if store is None and self.cache is not None:
+            store = self.cache.store
+        elif store is None:  # the experts are still on the device: a private copy
+            store = move_experts_to_store(self.model, keep_on_device=True)
         if self.cache is None or self.cache.store is not store:
             self.cache = None  # free the old buffers first
             self.cache = SwapCache(store, self.slots, self.model.device, self.staging)
@@ -232,27 +223,11 @@ class MixtralOffloading:
     def _stats(self, cache: SwapCache, tokens: int) -> dict:
         counters = dict(cache.counters)
         lookups = counters["hits"] + counters["misses"]
-        stats = {**counters, "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
-                 **cache.streams.stats()}
-        stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(tokens, 1)
+        stats = h2d_per_token({**counters, "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
+                               **cache.streams.stats()}, tokens)
         stats.update(resident_experts_per_layer=self.slots, staging_buffers=self.staging, eviction_policy="lru",
                      expert_cache_bytes=cache.device_bytes, memory_policy=self.memory)
         return stats
-
-
-def copy_to_store(model: HybridMoEModel) -> HostExpertStore:
-    """A host store holding copies of the experts that are still on the device (the model keeps its own)."""
-    first = model.experts[0]
-    store = HostExpertStore(model.num_moe_layers, first.num_experts, first.hidden_dim, first.intermediate_dim,
-                            first.gate_up_proj.dtype, model.device)
-    for layer, module in enumerate(model.experts):
-        store.put_layer(layer, module.gate_up_proj.detach(), module.down_proj.detach())
-    return store
-
-
-def specter_slots(model: HybridMoEModel, config: SpecterConfig) -> int:
-    """Specter's FP slots per layer (every expert when it keeps them all resident)."""
-    return config.resident_experts_per_layer or model.num_experts
 
 
 def make_mo_sc(model: HybridMoEModel, specter_config: SpecterConfig) -> MixtralOffloading:

@@ -1,15 +1,18 @@
 """Target-only reference: plain autoregressive decoding of the full-precision target, one token per step."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from specter.batch.engine import active_requests, batch_results, generated_tokens
 from specter.batch.state import BatchState, refuse_rope_switch
 from specter.inputs import check_batch, check_prompt, is_batch
-from specter.metrics import DecodeMetrics, GenerationResult
+from specter.kernels.moe_align import MoEWorkspace
+from specter.metrics import DecodeMetrics, GenerationResult, h2d_per_token
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.runtime import offload_experts
-from specter.spec.state import StateManager
+from specter.offload.runtime import OffloadConfig, serving
+from specter.speculative.state import StateManager
 
 
 class TargetOnly:
@@ -25,11 +28,10 @@ class TargetOnly:
     def __init__(self, model: HybridMoEModel, resident_experts_per_layer: int | None = None) -> None:
         self.model = model
         self.slots = resident_experts_per_layer
-        self.runtime = self._attach()
-
-    def _attach(self):
-        """On-demand offload with the given cache (no speculation, no prefetch), or all experts resident."""
-        return None if self.slots is None else offload_experts(self.model, self.slots)
+        self.offload_config = None if self.slots is None else OffloadConfig(self.slots)  # SpecterConfig's defaults
+        self.verify_workspace = MoEWorkspace()
+        if self.offload_config is not None:  # the experts move to the host store now
+            self.offload_config.attach(model)
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -40,11 +42,17 @@ class TargetOnly:
         batch = is_batch(input_ids)
         prompts = check_batch(input_ids, max_new_tokens) if batch else None
         input_ids = None if batch else check_prompt(input_ids, max_new_tokens)
-        if self.runtime is not None:
-            self.runtime = self._attach()  # another system may have switched the model's cache
-            self.runtime.reset()
-        if batch:
-            return self._generate_batch(prompts, max_new_tokens)
+        config = self.offload_config
+        offload = nullcontext() if config is None else serving(self.model, config, self.verify_workspace)
+        with offload as session:
+            if session is not None:
+                session.reset()
+            if batch:
+                return self._generate_batch(prompts, max_new_tokens, session)
+            return self._generate_one(input_ids, max_new_tokens, session)
+
+    def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int, session) -> GenerationResult:
+        """One token per step in one forward [1, 1] (at a longrope switch: the whole sequence)."""
         metrics = DecodeMetrics(self.model.device)
         state = StateManager(self.model, input_ids)
         next_token = state.prefill().argmax(dim=-1, keepdim=True)  # [1], stays on the device
@@ -57,12 +65,11 @@ class TargetOnly:
             logits = self.model.forward(state.uncached(), state.cache, "target")[0, -1]
             next_token = logits.argmax(dim=-1, keepdim=True)
         stats = metrics.summary()
-        if self.runtime is not None:
-            stats.update(self.runtime.stats())
-            stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(stats["generated_tokens"], 1)
-        return GenerationResult(state.generated, stats)
+        if session is not None:
+            stats.update(session.stats())
+        return GenerationResult(state.generated, h2d_per_token(stats, stats["generated_tokens"]))
 
-    def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> list[GenerationResult]:
+    def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int, session) -> list[GenerationResult]:
         """All requests one token per step in one forward [B, 1]; each expert loaded once per step for all."""
         refuse_rope_switch(self.model, prompts, max_new_tokens)
         state = BatchState(self.model, prompts)
@@ -79,5 +86,5 @@ class TargetOnly:
                 if was_active:
                     m.commit(1)
             active = active_requests(state, max_new_tokens, None)
-        shared = self.runtime.stats() if self.runtime is not None else {}
+        shared = session.stats() if session is not None else {}
         return batch_results(generated_tokens(state), metrics, max_new_tokens, None, shared)

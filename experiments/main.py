@@ -22,7 +22,7 @@ from specter.errors import SpecterError
 from specter.models.loading import checkpoint_architecture
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-CHECKED_GROUPS = ("model", "mem", "dataset", "experiment")
+CHECKED_GROUPS = ("model", "mem", "dataset", "experiment", "specter")
 HYDRA_SPECIAL = re.compile(r"([\\()\[\]{}:=, \t])")  # characters Hydra's override grammar needs escaped
 
 

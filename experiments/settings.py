@@ -1,6 +1,7 @@
 """Turn a composed Hydra config into plain values: the model to load, the memory budget, the Specter config."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
@@ -112,14 +113,44 @@ def resident_slots(cfg, spec: ModelSpec) -> int:
         raise SpecterError(f"{spec.name} has no memory preset {cfg.mem.preset!r}; known: {known}") from None
 
 
+# SpecterConfig's fields that the harness derives; every other field is an option of the `specter` group
+# (conf/specter/default.yaml), also set by a conf/system/specter_*.yaml ablation.
+DERIVED = {"k": "the top-level k=", "resident_experts_per_layer": "mem= (mem.slots=N, mem=gb mem.gb=G)",
+           "temperature": "the top-level temperature=", "seed": "the top-level seed="}
+
+
+def specter_fields() -> tuple[str, ...]:
+    """The options of the `specter` group: SpecterConfig's fields less the derived ones, in its order."""
+    return tuple(field.name for field in dataclasses.fields(SpecterConfig) if field.name not in DERIVED)
+
+
+def specter_options(options, where: str = "") -> dict:
+    """Specter options (the `specter` group, or a system file's `specter:` block) as SpecterConfig keyword
+    arguments; a derived or unknown key is a one-line error (`where`: what names the source in it)."""
+    if options is None:
+        return {}
+    if isinstance(options, DictConfig):
+        options = OmegaConf.to_container(options, resolve=True)
+    if not isinstance(options, dict):
+        raise SpecterError(f"{where}specter must be a mapping of Specter options, got {options!r}")
+    for key in options:
+        if key in DERIVED:
+            raise SpecterError(f"{where}specter.{key} is not a Specter option here: it comes from {DERIVED[key]}")
+        if key not in specter_fields():
+            raise SpecterError(f"{where}unknown Specter option specter.{key}; known: {', '.join(specter_fields())}")
+    return options
+
+
 def specter_config(cfg, spec: ModelSpec, k: int | None = None) -> SpecterConfig:
-    """The run's SpecterConfig; k: the argument, else cfg.k (null = the model's default, auto = the
-    best K found by experiment=depth for this model and memory setting)."""
+    """The run's SpecterConfig: the `specter` group's options (cfg.specter) and the derived fields: k (the
+    argument, else cfg.k: null = the model's default, auto = the best K found by experiment=depth for this
+    model and memory setting), the resident experts per layer (mem), temperature and seed. SpecterConfig
+    checks every value."""
     if k is None:
         default = int(cfg.model.get("default_k") or spec.default_k)
-        k = default if cfg.k is None else (profiled_k(cfg, spec) if cfg.k == "auto" else int(cfg.k))
-    return SpecterConfig(k=k, resident_experts_per_layer=resident_slots(cfg, spec),
-                         temperature=float(cfg.temperature), seed=int(cfg.seed))
+        k = default if cfg.k is None else (profiled_k(cfg, spec) if cfg.k == "auto" else cfg.k)
+    return SpecterConfig(k=k, resident_experts_per_layer=resident_slots(cfg, spec), temperature=cfg.temperature,
+                         seed=cfg.seed, **specter_options(cfg.specter))
 
 
 def profiled_k(cfg, spec: ModelSpec) -> int:
@@ -225,7 +256,7 @@ def load(cfg):
     """(model, SpecterConfig) of the run."""
     choice = model_choice(cfg)
     config = specter_config(cfg, choice.spec)
-    model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=int(cfg.seed),
+    model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=config.seed,
                        draft=choice.draft, weights=choice.weights if choice.synthetic else None,
                        num_layers=choice.layers, tokenizer=choice.tokenizer)
     return model, config

@@ -8,6 +8,7 @@ import hydra.utils
 from omegaconf import OmegaConf
 
 from baselines.target_only import TargetOnly
+from experiments.settings import specter_options
 from specter.config import SpecterConfig
 from specter.engine import SpecterEngine
 from specter.errors import SpecterError
@@ -21,19 +22,24 @@ def known_systems() -> list[str]:
 
 
 def build_system(name: str, model: HybridMoEModel, config: SpecterConfig):
-    """The system named `name`, built on `model` with the run's Specter config (memory budget, K)."""
+    """The system named `name`, built on `model` with the run's Specter config (memory budget, K, the
+    `specter` group's options) and, on top of it, the option file's own `specter:` block (an ablation's
+    difference, e.g. `specter: {prefetch: false}`): the factory is called with the resulting config."""
     path = SYSTEM_CONF / f"{name}.yaml"
     if not path.is_file():
         raise SpecterError(f"unknown system {name!r}; known systems: {', '.join(known_systems())}")
-    factory = hydra.utils.instantiate(OmegaConf.load(path), _partial_=True)
+    options = OmegaConf.load(path)
+    overrides = specter_options(options.pop("specter", None), f"conf/system/{name}.yaml: ")
+    config = dataclasses.replace(config, **overrides)  # SpecterConfig checks the values again
+    factory = hydra.utils.instantiate(options, _partial_=True)
     system = factory(model=model, specter_config=config)
     system.name = name  # rows are labelled by the option file (ablations share a class)
     return system
 
 
-def make_specter(model: HybridMoEModel, specter_config: SpecterConfig, **ablation) -> SpecterEngine:
-    """Specter with the run's config, optionally with ablation switches (prefetch, expert_wise, ...)."""
-    return SpecterEngine(model, dataclasses.replace(specter_config, **ablation))
+def make_specter(model: HybridMoEModel, specter_config: SpecterConfig) -> SpecterEngine:
+    """Specter with the run's config (an ablation's option file has already set its fields)."""
+    return SpecterEngine(model, specter_config)
 
 
 def make_target_only(model: HybridMoEModel, specter_config: SpecterConfig) -> TargetOnly:

@@ -1,10 +1,22 @@
-"""Offload benchmark (GPU): target-only resident / on-demand, Specter without and with prefetch, side by side.
+"""Offload benchmark (GPU): target-only and Specter variants on one offloaded model, side by side.
 
     python scripts/bench_offload.py --models dsv2 qwen --mem high --prompts 2 --new-tokens 128 [--k 4 16] --out DIR
+    python scripts/bench_offload.py --models dsv2 --k 8 --quick --variants spare_rows=0 initial_chunk=2 --out DIR
 
-Synthetic (or, with --weights calibrated, calibrated) full-size weights (bf16, or --dtype float16), 16-token
-prompts. Prints one table per model and writes offload.csv. The I/O floor of a run is the bytes of routed experts that were not resident when their
-verify window started, over the H2D bandwidth measured on the run's own copies, per committed token.
+Per model it builds full-size seeded weights (`--weights synthetic`, the default, or `calibrated`) in
+bf16 (`--dtype float16` on request), cuts the built-in prompts to 16 tokens, and decodes each prompt with:
+target-only with every expert resident (the token reference); target-only on demand through the mem
+preset's slots; Specter without prefetch; Specter; one Specter per `--variants` entry (SpecterConfig
+options, e.g. `eviction=popularity,initial_chunk=2`); Specter with an eager draft. `--quick` keeps only the
+resident reference, Specter and the variants. Every system first decodes one warm-up, the first Specter
+system decodes every prompt once untimed, and every timed decode runs with the cyclic GC paused.
+
+Each row is printed as it is measured, then a table per model; all rows go to DIR/offload.csv. A row has
+TPOT, acceptance, hit rate, H2D MB per token and GB/s, waits, the I/O floor (the bytes of routed experts
+that were not resident when their verify window started, at the run's measured H2D bandwidth, per
+committed token), decoding's bytes over the floor, copy-stream idle time per phase, and whether the tokens
+equal the resident target's. `--host-profile` writes a cProfile of one more Specter decode. Reference
+results: results/reference/NOTES.md.
 """
 from __future__ import annotations
 
@@ -49,8 +61,7 @@ def run(system, prompts, new_tokens: int) -> list[dict]:
 def warm_up_first_use(systems: list, prompts, new_tokens: int) -> None:
     """Untimed: the first Specter system decodes every prompt in full once, so that what compiles or
     allocates on first use (Triton specialisations of the verify kernels for new shapes) is not charged to
-    the first measured row. (The first row of every H200 call measured 1-3 ms/token slower; this warm-up
-    alone did not change that in session 8, pausing the GC around timed decodes did: `gc_paused`.)"""
+    the first measured row. Timed decodes also run with the GC paused (`gc_paused`)."""
     t0 = time.time()
     first = next((system for _, system in systems if isinstance(system, specter.SpecterEngine)), None)
     for ids in prompts if first is not None else []:
@@ -92,7 +103,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
 
 
 def parse_variant(text: str) -> dict:
-    """'initial_chunk=1,eviction=popularity' -> SpecterConfig options (numbers where they parse as one)."""
+    """'initial_chunk=1,eviction=popularity,prefetch=false' -> SpecterConfig options (numbers and true/false
+    where they parse as one)."""
     try:
         pairs = [item.split("=") for item in text.split(",")]
         return {key: _number_or_text(value) for key, value in pairs}
@@ -100,7 +112,9 @@ def parse_variant(text: str) -> dict:
         sys.exit(f"error: --variants takes key=value[,key=value], got {text!r}")
 
 
-def _number_or_text(value: str) -> int | float | str:
+def _number_or_text(value: str) -> bool | int | float | str:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
     for kind in (int, float):
         try:
             return kind(value)

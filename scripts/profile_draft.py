@@ -19,10 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import specter  # noqa: E402
+from specter.hooks import attributes_set  # noqa: E402
+from specter.kernels.moe_align import MoEWorkspace  # noqa: E402
 from specter.models.hybrid_experts import DRAFT, TARGET  # noqa: E402
 from specter.offload.draft_graph import DraftStepGraph  # noqa: E402
 from specter.prefetch.lookahead import ExpertLookaheadBuffer  # noqa: E402
-from specter.spec.state import new_static_cache  # noqa: E402
+from specter.speculative.state import new_static_cache  # noqa: E402
 
 PROMPT_TOKENS = 16
 
@@ -72,7 +74,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("error: profile_draft.py needs a CUDA GPU")
     model = specter.load_model(args.model, synthetic=True, device="cuda")  # bfloat16, the default on CUDA
-    with torch.inference_mode():  # as the engine runs: the KV cache is made of inference tensors
+    # as the engine runs: inference tensors, and a draft workspace for the duration of the profile
+    with torch.inference_mode(), attributes_set(model.experts, draft_workspace=MoEWorkspace()):
         profile(model, args)
 
 

@@ -3,13 +3,15 @@
     python scripts/sim_offload_bytes.py --moe-layers 4 --k 8 --slots 16 --new-tokens 64 \
         --variants initial_chunk=1 load_ahead_layers=0
 
-A synthetic DeepSeek-V2-Lite at full width (64 routed experts top-6, hidden 2048) with only
-`--moe-layers` MoE layers and a 4096-token vocabulary, on the CPU. The planner's cost model is frozen
-at the H200's measured numbers (draft step 6.44 ms for 26 MoE layers, scaled to the layers built;
-54.2 GB/s), so its batch sizes and boundaries are the GPU's, and the bytes a policy moves per token
-can be compared with the floor (experts the target routed to that were not resident when their
-window started) without a GPU.
-TPOT is not simulated: the copy stream's idle time needs the GPU (scripts/bench_offload.py).
+It builds a synthetic DeepSeek-V2-Lite at full width (64 routed experts top-6, hidden 2048) with only
+`--moe-layers` MoE layers and a 4096-token vocabulary on the CPU (bf16 by default), and decodes the
+built-in prompts with Specter and with each `--variants` entry (SpecterConfig options; a variant may set
+k). The planner's cost model is frozen at the H200's draft step time per MoE layer (scaled to the layers
+built) and its copy bandwidth (the constants below), so its batch sizes and boundaries are the GPU's.
+Per configuration it prints expert loads per decoded token against the floor (experts the target routed
+to that were not resident when their window started), their ratio, wasted loads, prefetches, loads
+ahead, reloads by cause, the hit rate and the mean accepted length. TPOT is not simulated: the copy
+stream's idle time needs the GPU (scripts/bench_offload.py). Reference results: results/reference/NOTES.md.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from specter.models.tokenizer import ByteTokenizer  # noqa: E402
 from specter.offload.expert_cache import CAUSES  # noqa: E402
 from specter.prefetch.planner import CostModel  # noqa: E402
 
-H200_DRAFT_MS_PER_MOE_LAYER = 6.44 / 26  # dsv2's replayed draft step, per MoE layer (session 5)
+H200_DRAFT_MS_PER_MOE_LAYER = 6.44 / 26  # dsv2's replayed draft step, per MoE layer (H200, results/reference/NOTES.md)
 H200_BYTES_PER_MS = 54.2e6
 SIM_VOCAB = 4096  # the byte-level prompts need 257 ids; 102400 would only make embeddings and lm_head bigger
 

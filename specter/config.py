@@ -1,14 +1,18 @@
 """Frozen run-time configuration of the Specter engine (plain dataclasses, no Hydra)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specter.errors import SpecterError
 
+EVICTION_POLICIES = ("lru", "lookahead", "popularity")
+
 
 @dataclass(frozen=True)
 class SpecterConfig:
-    """How one engine decodes.
+    """How one engine decodes. The one owner of these defaults (the harness's conf/specter/default.yaml
+    repeats them, checked by a test); every field is checked here, a bad value is a one-line SpecterError.
 
     k: speculation depth (draft tokens per iteration), >= 1.
     resident_experts_per_layer: FP16 expert-cache slots per MoE layer (None = all experts resident).
@@ -61,26 +65,26 @@ class SpecterConfig:
     max_cache_len: int = 256
 
     def __post_init__(self) -> None:
-        if not isinstance(self.k, int) or self.k < 1:
-            raise SpecterError(f"speculation depth k must be an integer >= 1, got {self.k!r}")
-        slots = self.resident_experts_per_layer
-        if slots is not None and (not isinstance(slots, int) or slots < 1):
-            raise SpecterError(f"resident_experts_per_layer must be an integer >= 1 or None, got {slots!r}")
-        if self.temperature < 0:
-            raise SpecterError(f"temperature must be >= 0, got {self.temperature}")
-        if self.eviction not in ("lru", "lookahead", "popularity"):
+        _integer(self, "k", 1, "speculation depth k")
+        if self.resident_experts_per_layer is not None:
+            _integer(self, "resident_experts_per_layer", 1, suffix=" or None")
+        _number(self, "temperature", "a finite number >= 0", lambda x: x >= 0)
+        _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
+        _integer(self, "seed", None)
+        for name in ("prefetch", "expert_wise", "cuda_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:
             raise SpecterError(f"eviction must be 'lru', 'lookahead' or 'popularity', got {self.eviction!r}")
-        for name in ("initial_chunk", "prefetch_chunk"):
-            if getattr(self, name) < 1:
-                raise SpecterError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if min(self.verify_wave, self.load_ahead_layers, self.spare_rows) < 0 or self.copy_streams not in (1, 2):
-            raise SpecterError(f"verify_wave, load_ahead_layers and spare_rows must be >= 0 and copy_streams 1 or 2, "
-                               f"got {self.verify_wave}, {self.load_ahead_layers}, {self.spare_rows}, "
-                               f"{self.copy_streams}")
-        if not 0.0 <= self.early_read_fraction <= 1.0:
-            raise SpecterError(f"early_read_fraction must be in [0, 1], got {self.early_read_fraction}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SpecterError(f"top_p must be in (0, 1], got {self.top_p}")
+        _integer(self, "initial_chunk", 1)
+        _number(self, "early_read_fraction", "a number in [0, 1]", lambda x: 0.0 <= x <= 1.0)
+        _integer(self, "prefetch_chunk", 1)
+        _integer(self, "verify_wave", 0)
+        _integer(self, "load_ahead_layers", 0)
+        if type(self.copy_streams) is not int or self.copy_streams not in (1, 2):
+            raise SpecterError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
+        _integer(self, "spare_rows", 0)
+        _integer(self, "max_cache_len", 1)
 
     @property
     def greedy(self) -> bool:
@@ -93,3 +97,19 @@ class SpecterConfig:
             raise SpecterError(
                 f"resident_experts_per_layer={slots} exceeds the model's {num_experts} routed experts per layer"
             )
+
+
+def _integer(config: SpecterConfig, name: str, least: int | None, what: str | None = None, suffix: str = "") -> None:
+    """Raise unless config.<name> is an int (not a bool) >= least (any int when least is None)."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
+        bound = "" if least is None else f" >= {least}"
+        raise SpecterError(f"{what or name} must be an integer{bound}{suffix}, got {value!r}")
+
+
+def _number(config: SpecterConfig, name: str, what: str, ok) -> None:
+    """Raise unless config.<name> is a finite int or float (not a bool) for which ok() holds; store it as a float."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise SpecterError(f"{name} must be {what}, got {value!r}")
+    object.__setattr__(config, name, float(value))  # 1 from a config file is 1.0

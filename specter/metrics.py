@@ -35,6 +35,13 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
+def h2d_per_token(stats: dict, tokens: int) -> dict:
+    """`stats` with h2d_bytes_per_token: its H2D bytes over `tokens` generated tokens (when it has H2D bytes)."""
+    if "h2d_bytes" in stats:
+        stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(tokens, 1)
+    return stats
+
+
 def tpot_ms(commit_times_ms: list[float]) -> float:
     """(time of last committed token - time of first) / (N - 1); NaN for fewer than 2 tokens."""
     n = len(commit_times_ms)

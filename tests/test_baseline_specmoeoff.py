@@ -49,8 +49,10 @@ def test_draft_and_target_share_no_weights_and_no_kv():
     system = make_specmoeoff_sc(model, HIGH, fixed_k=3)
     draft = system.draft_model
     assert torch.equal(draft.forward(ids, None), model.forward(ids, None, "draft"))  # the same draft, a copy
-    target_state, draft_state = system.prefill(ids, NEW)
-    system.speculate(target_state, draft_state, 3, DecodeMetrics(model.device))
+    with system.serving():
+        system.begin_request()
+        target_state, draft_state = system.prefill(ids, NEW)
+        system.speculate(target_state, draft_state, 3, DecodeMetrics(model.device))
     runtime = model.offload
     target = [*model.hf.parameters(), *model.hf.buffers(), runtime.cache.pool, *runtime.store.buffers]
     assert not storages(draft_tensors(draft)) & storages(target)

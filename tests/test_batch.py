@@ -8,7 +8,7 @@ import specter
 import specter.batch.engine as batch_engine
 from specter.batch.state import BatchState
 from specter.errors import SpecterError
-from specter.spec.state import new_static_cache
+from specter.speculative.state import new_static_cache
 from tests.conftest import tiny_model
 
 fresh = functools.lru_cache(maxsize=None)(lambda name: specter.load_model(name, device="cpu", dtype=torch.float32))

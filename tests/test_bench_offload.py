@@ -49,3 +49,4 @@ def test_variants_parse_numbers_and_names():
         "early_read_fraction": 0.25, "initial_chunk": 1, "eviction": "popularity"}
     config = specter.SpecterConfig(**bench.parse_variant("early_read_fraction=0"))
     assert config.early_read_fraction == 0
+    assert specter.SpecterConfig(**bench.parse_variant("prefetch=false,cuda_graph=True")).prefetch is False

@@ -100,6 +100,21 @@ def test_weights_and_layers_errors_are_one_line(tmp_path):
         assert "Traceback" not in out.stderr and not (tmp_path / "x").exists()
 
 
+def test_specter_options_and_ablations_reach_the_run(tmp_path):
+    """specter.* overrides reach the run (run.json records them); an ablation's own field still applies."""
+    out = tmp_path / "run"
+    result = run_main(*FAST, "num_prompts=1", "repeats=1", "warmup_tokens=2", "mem.slots=2",
+                      "systems=[specter,specter_no_prefetch]", "specter.top_p=0.9", "specter.eviction=lookahead",
+                      "specter.spare_rows=2", "temperature=0.7", "seed=3", f"results_dir={out}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = pd.read_csv(out / "records.csv")
+    loads = records[records.status == "ok"].groupby("system").prefetch_loads.sum()
+    assert loads["specter_no_prefetch"] == 0 and loads["specter"] > 0
+    run = json.loads((out / "run.json").read_text())["config"]
+    assert run["specter"]["top_p"] == 0.9 and run["specter"]["eviction"] == "lookahead"
+    assert run["specter"]["spare_rows"] == 2 and (run["temperature"], run["seed"]) == (0.7, 3)
+
+
 def test_resume_skips_finished_cases(tmp_path):
     out = tmp_path / "run"
     assert run_main(*FAST, f"results_dir={out}").returncode == 0

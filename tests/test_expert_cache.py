@@ -1,9 +1,10 @@
-"""Expert cache: LRU order, protection, event-guarded reuse, counters; host store layout."""
+"""Expert cache: LRU order, protection, event-guarded reuse, counters, victim policies; host store layout."""
 import random
 
 import pytest
 import torch
 
+from specter.offload.eviction import LookaheadPolicy, LRUPolicy, RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache, NoFreeSlot
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
@@ -11,13 +12,16 @@ from specter.offload.streams import DeviceStreams
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 8, 4
 
 
-def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=None) -> ExpertCache:
+def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=None,
+               counts: RoutingCounts | None = None) -> ExpertCache:
+    """A cache over a small host store; the popularity policy reads `counts` (new if None)."""
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
         gate_up = torch.arange(EXPERTS * 2 * INTER * HIDDEN, dtype=torch.float32).view(EXPERTS, 2 * INTER, HIDDEN)
         store.put_layer(layer, gate_up + 1000 * layer, -gate_up[:, :HIDDEN, :INTER] - 1000 * layer)
     streams = streams or DeviceStreams(torch.device("cpu"))
-    return ExpertCache(store, slots, torch.device("cpu"), streams, policy, spare_rows)
+    counts = RoutingCounts() if counts is None else counts
+    return ExpertCache(store, slots, torch.device("cpu"), streams, make_policy(policy, counts), spare_rows)
 
 
 class EventLog:
@@ -61,9 +65,10 @@ def test_exact_slot_count_and_lru_order():
     use(cache, 0, 0)  # hit: expert 1 is now least recently used
     use(cache, 0, 2)
     assert cache.resident_experts(0) == {0, 2}
-    assert cache.counters == {"hits": 1, "hits_prefetched": 0, "misses": 3, "misses_planned": 0, "wasted_loads": 0,
-                              "loads_ahead": 0, "prefetch_loads": 0, "evictions": 1, "reloads_after_prefetch": 0,
-                              "reloads_after_ahead": 0, "reloads_after_verify": 0}
+    assert cache.counters.as_dict() == {"hits": 1, "hits_prefetched": 0, "misses": 3, "misses_planned": 0,
+                                        "wasted_loads": 0, "loads_ahead": 0, "prefetch_loads": 0, "evictions": 1,
+                                        "reloads_after_prefetch": 0, "reloads_after_ahead": 0,
+                                        "reloads_after_verify": 0}
     assert cache.resident_experts(1) == set()
 
 
@@ -92,16 +97,15 @@ def test_protected_slot_is_never_evicted():
 def test_randomized_plans_and_demands_never_evict_protected(spare_rows):
     rng = random.Random(0)
     for policy in ("lru", "lookahead", "popularity"):
-        cache = make_cache(3, policy, spare_rows)
-        cache.routing_counts.update({layer: [rng.randrange(9) for _ in range(EXPERTS)] for layer in range(LAYERS)})
+        counts = RoutingCounts({layer: [rng.randrange(9) for _ in range(EXPERTS)] for layer in range(LAYERS)})
+        cache = make_cache(3, policy, spare_rows, counts=counts)
         held: list[tuple[int, int, int]] = []  # (layer, expert, slot)
         for _ in range(2000):
             layer, expert = rng.randrange(LAYERS), rng.randrange(EXPERTS)
             op = rng.random()
             protected = {(lay, s): e for lay, e, s in held}
             if op < 0.3:
-                cache.predicted = {layer: set(rng.sample(range(EXPERTS), 2))}
-                cache.prefetch(layer, expert)
+                cache.prefetch(layer, expert, predicted=frozenset(rng.sample(range(EXPERTS), 2)))
             elif op < 0.7 and sum(1 for lay, _, _ in held if lay == layer) < 3:
                 try:
                     slot = cache.acquire(layer, expert)
@@ -119,37 +123,40 @@ def test_randomized_plans_and_demands_never_evict_protected(spare_rows):
 
 
 def test_lookahead_policy_keeps_predicted_experts():
-    for policy, survivor in (("lru", False), ("lookahead", True)):
-        cache = make_cache(2, policy)
-        use(cache, 0, 0)
-        use(cache, 0, 1)
-        cache.predicted = {0: {0}}  # the draft predicts expert 0, which is least recently used
-        use(cache, 0, 2)
-        assert (cache.slot_of(0, 0) is not None) == survivor, policy
+    cache = make_cache(2)
+    use(cache, 0, 0)
+    use(cache, 0, 1)  # expert 0 is least recently used
+    slots, predicted = cache.layers[0], frozenset({0})  # the draft predicts expert 0
+    assert slots.expert_of[LRUPolicy().victim(0, slots, predicted=predicted)] == 0
+    assert slots.expert_of[LookaheadPolicy().victim(0, slots, predicted=predicted)] == 1
+    everything = frozenset({0, 1})  # no other slot will do: the least recently used after all
+    assert slots.expert_of[LookaheadPolicy().victim(0, slots, predicted=everything)] == 0
 
 
 def test_popularity_policy_evicts_the_least_routed_expert_lru_among_ties():
-    cache = make_cache(3, "popularity")
+    counts = RoutingCounts()
+    cache = make_cache(3, "popularity", counts=counts)
     for expert in (0, 1, 2):
         use(cache, 0, expert)
-    cache.routing_counts[0] = [5, 1, 1, 0, 0, 0]  # experts 1 and 2 tie; 1 is less recently used
+    counts.by_layer[0] = [5, 1, 1, 0, 0, 0]  # experts 1 and 2 tie; 1 is less recently used
     use(cache, 0, 3)
     assert cache.resident_experts(0) == {0, 2, 3}
     use(cache, 0, 4)  # expert 3 (count 0) goes now, though 0 is the least recently used
     assert cache.resident_experts(0) == {0, 2, 4}
-    cache.reset()  # a new request: no counts, so plain LRU, and the policy still sees the cache's counts
-    assert cache.routing_counts == {} and cache.policy.routing_counts is cache.routing_counts
+    counts.clear()  # a new request: no counts, so plain LRU, and the policy still reads the same counts
+    assert cache.policy.counts is counts and counts.get(0) is None
+    use(cache, 0, 5)
+    assert cache.resident_experts(0) == {2, 4, 5}
 
 
 def test_popularity_streams_into_the_earliest_released_slots_least_routed_first():
-    cache = make_cache(4, "popularity")
+    cache = make_cache(4, "popularity", counts=RoutingCounts({0: [5, 2, 1, 0, 0, 0]}))
     for expert in (0, 1, 2, 3):
         use(cache, 0, expert)
-    cache.routing_counts[0] = [5, 2, 1, 0, 0, 0]
     slot = cache.protect_resident(0)  # expert -> slot, all protected, as a verify layer starts
     cache.release_all(0, [slot[0], slot[1]])  # the first wave
     cache.release_all(0, [slot[2], slot[3]])  # the second, still computing when the copies are issued
-    assert cache.policy.victim(0, cache.layers[0], {}) == slot[3]  # a prefetch or load ahead: the least routed
+    assert cache.policy.victim(0, cache.layers[0]) == slot[3]  # a prefetch or load ahead: the least routed
     assert cache.load_if_free(0, 4) == slot[1]  # streamed: least routed of the first wave, not expert 3
     assert cache.load_if_free(0, 5) == slot[0]  # the first wave's last slot before any of the second's
     assert cache.load_if_free(0, 1) == slot[3]  # then the second wave's, least routed first
@@ -160,8 +167,8 @@ def test_prefetch_then_hit_is_counted_as_prefetched():
     assert cache.prefetch(0, 5)
     use(cache, 0, 5)
     use(cache, 0, 5)
-    assert cache.counters["hits"] == 2 and cache.counters["hits_prefetched"] == 1
-    assert cache.counters["prefetch_loads"] == 1 and cache.counters["misses"] == 0
+    assert cache.counters.hits == 2 and cache.counters.hits_prefetched == 1
+    assert cache.counters.prefetch_loads == 1 and cache.counters.misses == 0
     stats = cache.streams.stats()
     assert stats["h2d_copies"] == 1 and stats["h2d_bytes"] == cache.store.expert_bytes
 
@@ -170,7 +177,7 @@ def test_reset_empties_every_slot():
     cache = make_cache(2)
     use(cache, 0, 1)
     cache.reset()
-    assert cache.resident_experts(0) == set() and cache.counters["misses"] == 0
+    assert cache.resident_experts(0) == set() and cache.counters.misses == 0
 
 
 def test_reloads_are_counted_by_what_evicted_the_expert_in_the_same_window():
@@ -181,10 +188,10 @@ def test_reloads_are_counted_by_what_evicted_the_expert_in_the_same_window():
     use(cache, 0, 0)  # verification needs 0 again: a reload caused by the prefetch
     assert cache.load_ahead(1, 2, frozenset()) and cache.load_ahead(1, 3, frozenset())  # 3 evicts 2
     use(cache, 1, 2)
-    assert (cache.counters["reloads_after_prefetch"], cache.counters["reloads_after_ahead"]) == (1, 1)
+    assert (cache.counters.reloads_after_prefetch, cache.counters.reloads_after_ahead) == (1, 1)
     cache.begin_window()  # an eviction of an earlier window is not a reload of this one
     use(cache, 0, 1)
-    assert cache.counters["reloads_after_verify"] == 0 and cache.counters["evictions"] == 5
+    assert cache.counters.reloads_after_verify == 0 and cache.counters.evictions == 5
 
 
 def test_a_load_takes_the_oldest_spare_row_and_its_victims_row_becomes_spare():

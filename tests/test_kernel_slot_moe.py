@@ -1,12 +1,12 @@
 """Slot-buffer FP MoE Triton kernel against the torch reference: CPU interpreter cases, real shapes on CUDA."""
-from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_cases  # noqa: F401 (before triton)
-
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.triton_mode import INTERPRETED, ROOT, interpreted, run_interpreter_cases  # noqa: F401 (before triton)
 
 pytest.importorskip("triton")
 
@@ -139,11 +139,13 @@ def test_residency_waves_with_the_slot_kernel_equal_the_reference():
     """The residency manager's Triton path (one alignment per layer, a slot map per wave) on random plans."""
     import random
 
+    from specter.kernels.moe_align import MoEWorkspace
+    from specter.offload.eviction import LRUPolicy, RoutingCounts
     from specter.offload.expert_cache import ExpertCache
     from specter.offload.host_store import HostExpertStore
     from specter.offload.streams import DeviceStreams
-    from specter.verify.residency import ResidencyManager
-    from tests.test_residency import layer_module, random_plan
+    from specter.verify.residency import ResidencyManager, VerifyOptions
+    from tests.test_residency import layer_module, plan_of, random_plan
 
     layers, experts, hidden, inter, top_k = 2, 8, 128, 128, 2
     gen, rng = torch.Generator().manual_seed(5), random.Random(5)
@@ -151,22 +153,22 @@ def test_residency_waves_with_the_slot_kernel_equal_the_reference():
     for layer in range(layers):
         store.put_layer(layer, torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5,
                         torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5)
-    cache = ExpertCache(store, 3, torch.device("cpu"), DeviceStreams(torch.device("cpu")))
-    manager = ResidencyManager(cache)
-    manager.slot_kernel, manager.wave = True, 2
+    cache = ExpertCache(store, 3, torch.device("cpu"), DeviceStreams(torch.device("cpu")), LRUPolicy(), 0)
+    manager = ResidencyManager(cache, RoutingCounts(), VerifyOptions(wave=2), MoEWorkspace())
+    manager.slot_kernel = True
     for _ in range(3):
         x = torch.randn(4, hidden, generator=gen)  # [T, H]
         routing = [make_routing(4, experts, top_k, gen) for _ in range(layers)]
         weights = torch.rand(4, top_k, generator=gen).softmax(-1)
-        cache.verify_plan = {layer: random_plan(rng, set(routing[layer].reshape(-1).tolist()))
-                             for layer in range(layers)}
-        for layer in range(layers):
-            module = SimpleNamespace(**{**vars(layer_module(layer)), "num_experts": experts,
-                                        "intermediate_dim": inter})
-            out = manager(module, x, routing[layer], weights)
-            weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
-            ref = expert_wise_moe(x, routing[layer], weights, weights_of, experts, SILU)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        plan = plan_of({layer: random_plan(rng, set(routing[layer].reshape(-1).tolist())) for layer in range(layers)})
+        with manager.verifying(plan):
+            for layer in range(layers):
+                module = SimpleNamespace(**{**vars(layer_module(layer)), "num_experts": experts,
+                                            "intermediate_dim": inter})
+                out = manager(module, x, routing[layer], weights)
+                weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+                ref = expert_wise_moe(x, routing[layer], weights, weights_of, experts, SILU)
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
         manager.take_demand()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specter
-import specter.spec.state
+import specter.speculative.state
 from baselines.specmoeoff.engine import SpecMoEOff, SpecMoEOffConfig
 from baselines.target_only import TargetOnly
 from specter.errors import SpecterError
@@ -65,7 +65,7 @@ def test_target_only_specter_and_specmoeoff_equal_the_uncached_model_across_the_
 def test_keeping_the_short_factor_cache_would_differ(reference, monkeypatch):
     """The check above can fail: without the recompute, the tokens past the switch are not the model's."""
     ids, expected, model = reference
-    monkeypatch.setattr(specter.spec.state, "rope_switch", lambda config: None)
+    monkeypatch.setattr(specter.speculative.state, "rope_switch", lambda config: None)
     assert TargetOnly(model).generate(ids, 40).token_ids != expected
 
 

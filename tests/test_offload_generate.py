@@ -5,7 +5,10 @@ from transformers import DynamicCache
 
 import specter
 from baselines.target_only import TargetOnly
+from specter.hooks import attributes_set
+from specter.kernels.moe_align import MoEWorkspace
 from specter.offload.runtime import offload_experts
+from specter.verify.residency import ResidencyManager, VerifyOptions
 from tests.conftest import hf_greedy, prompt, tiny_model
 
 NEW = 32
@@ -49,9 +52,12 @@ def test_offloaded_target_forward_is_bitwise_the_resident_one():
     want = resident.forward(ids, DynamicCache(config=resident.hf.config))
     got = offloaded.forward(ids, DynamicCache(config=offloaded.hf.config))
     assert torch.equal(got, want)
-    offloaded.offload.residency.expert_wise = False  # token-wise: GEMVs, same math up to rounding
-    token_wise = offloaded.forward(ids, DynamicCache(config=offloaded.hf.config))
+    runtime = offloaded.offload  # token-wise: GEMVs, same math up to rounding
+    executor = ResidencyManager(runtime.cache, runtime.routing, VerifyOptions(expert_wise=False), MoEWorkspace())
+    with attributes_set(offloaded.experts, target_executor=executor):
+        token_wise = offloaded.forward(ids, DynamicCache(config=offloaded.hf.config))
     torch.testing.assert_close(token_wise, want, atol=1e-5, rtol=1e-5)
+    assert all(m.target_executor is runtime.residency for m in offloaded.experts)
 
 
 def test_exactly_the_configured_slots_live_on_the_device():
@@ -118,7 +124,7 @@ def test_checkpoint_loads_with_experts_straight_to_host(tmp_path, name):
     from tests.conftest import pristine_hf
 
     pristine_hf(name).save_pretrained(tmp_path)
-    model = specter.load_model(tmp_path, device="cpu", dtype=torch.float32, experts_on_host=True)
+    model = specter.load_model(tmp_path, device="cpu", dtype=torch.float32, experts_on_host=True, tokenizer="byte")
     assert model.host_store is not None and not hasattr(model.experts[0], "gate_up_proj")
     out = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=1)).generate(prompt(), 16)
     assert out.token_ids == hf_greedy(name, prompt(), 16)

@@ -2,8 +2,8 @@
 import torch
 
 from specter.models.hybrid_experts import DRAFT
-from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.offload.streams import DeviceStreams
+from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import (
     COLD_START,
     FINAL_CLEANUP,
@@ -12,7 +12,7 @@ from specter.prefetch.planner import (
     PrefetchPlanner,
     early_read_layer,
 )
-from specter.spec.state import StateManager
+from specter.speculative.state import StateManager
 from tests.conftest import prompt, tiny_model
 from tests.test_expert_cache import EXPERTS, LAYERS, make_cache
 
@@ -25,10 +25,13 @@ def planner_with(slots: int, initial_chunk: int = 2, prefetch_chunk: int = 1):
     cache = make_cache(slots)
     elb = ExpertLookaheadBuffer(LAYERS, EXPERTS, torch.device("cpu"))
     cost = CostModel(draft_ms_per_token=1.0, h2d_bytes_per_ms=2 * cache.store.expert_bytes, frozen=True)
-    return PrefetchPlanner(PatternAnalyzer(elb), cache, cost, initial_chunk, prefetch_chunk=prefetch_chunk), elb, cache
+    planner = PrefetchPlanner(PatternAnalyzer(elb), cache, initial_chunk=initial_chunk, prefetch_chunk=prefetch_chunk,
+                              cost=cost)
+    return planner, elb, cache
 
 
-def draft_window(planner, elb, k: int, on_token=None) -> None:
+def draft_window(planner, elb, k: int, on_token=None):
+    """Draft k tokens of ROUTES through the planner; the window's plan."""
     planner.begin_window(k)
     for i in range(k):
         for layer, experts in enumerate(ROUTES[i]):
@@ -36,7 +39,7 @@ def draft_window(planner, elb, k: int, on_token=None) -> None:
         planner.after_draft_token(i + 1)
         if on_token:
             on_token(i + 1)
-    planner.end_window()
+    return planner.end_window()
 
 
 def test_counters_match_reference_count():
@@ -47,7 +50,9 @@ def test_counters_match_reference_count():
     for layer in range(LAYERS):
         flat = torch.tensor([e for routes in ROUTES for e in routes[layer]])
         assert torch.equal(elb.counts[layer], torch.bincount(flat, minlength=EXPERTS).int())
-    assert PatternAnalyzer(elb).plan(2) == {0: [0, 5], 1: [1, 2]}  # most frequent first, ties by id
+    ranking = PatternAnalyzer(elb).ranking()  # most frequent first, ties by id
+    assert {layer: [e for e, _ in row[:2]] for layer, row in ranking.items()} == {0: [0, 5], 1: [1, 2]}
+    assert ranking[0][:2] == [(0, 4), (5, 4)]  # (expert, count)
 
 
 def test_engine_draft_counts_equal_the_draft_routing():
@@ -87,7 +92,7 @@ def test_nested_observers_restore_the_outer_one():
 def test_phases_and_boundaries():
     planner, elb, cache = planner_with(slots=4, prefetch_chunk=8)
     loads_after = {}
-    draft_window(planner, elb, 8, on_token=lambda i: loads_after.setdefault(i, cache.counters["prefetch_loads"]))
+    draft_window(planner, elb, 8, on_token=lambda i: loads_after.setdefault(i, cache.counters.prefetch_loads))
     trace = planner.traces[-1]
     assert loads_after[1] == 0  # cold start: the first chunk only observes
     # b1 = 2: top-4 plans {0,1,2} and {2,3,4}: 6 experts = 3 ms of H2D at 1 ms/token -> next boundary 5;
@@ -120,12 +125,14 @@ def test_batches_are_issued_once_the_next_step_is_queued_and_capped_by_the_rest_
             elb.observe(layer, torch.tensor([experts]))
         planner.after_draft_token(i + 1)
         if i + 1 == 2:
-            assert cache.counters["prefetch_loads"] == 0  # counters read at 2, batch issued after step 3
-    trace = planner.end_window()
+            assert cache.counters.prefetch_loads == 0  # counters read at 2, batch issued after step 3
+    plan = planner.end_window()
+    trace = planner.traces[-1]
     # plan at 2: {0,1,2} / {2,3,4}, but one remaining draft token hides only 2 experts: the most routed go
     assert trace.boundaries == [2] and trace.batch_sizes == [2] and trace.phases == [FINAL_CLEANUP]
     assert cache.resident_experts(0) == {0} and cache.resident_experts(1) == {2}
-    assert cache.verify_plan.get(0) == [0, 1, 2, 3] and cache.verify_plan.get(1) == [2, 0, 3, 4, 5]
+    assert plan.prefetched == {0: {0}, 1: {2}}
+    assert plan.load_order(0) == [0, 1, 2, 3] and plan.load_order(1) == [2, 0, 3, 4, 5]
     assert int(elb.counts.sum()) == 0
 
 
@@ -156,7 +163,7 @@ def test_early_read_waits_for_the_cold_start_and_needs_a_tap():
     planner, elb, cache = planner_with(slots=4, initial_chunk=8)  # no draft-time prefetch
     elb.set_tap(0, DeviceStreams(torch.device("cpu")).tap((1, EXPERTS), torch.int32))
     draft_window(planner, elb, 8)
-    assert planner.traces[-1].early_batch == 0 and cache.counters["prefetch_loads"] == 0
+    assert planner.traces[-1].early_batch == 0 and cache.counters.prefetch_loads == 0
     planner, elb, cache = planner_with(slots=4)
     draft_window(planner, elb, 8)
     assert planner.traces[-1].early_batch == 0
@@ -175,9 +182,9 @@ def test_window_shorter_than_the_cold_start_only_plans_verification():
     assert planner.phase == COLD_START
     elb.observe(0, torch.tensor([[1, 2]]))
     planner.after_draft_token(1)
-    planner.end_window()
-    assert planner.traces[-1].boundaries == [] and cache.counters["prefetch_loads"] == 0
-    assert cache.verify_plan.get(0) == [1, 2] and cache.verify_plan.get(1) == []
+    plan = planner.end_window()
+    assert planner.traces[-1].boundaries == [] and cache.counters.prefetch_loads == 0
+    assert plan.load_order(0) == [1, 2] and plan.load_order(1) == [] and plan.prefetched == {}
 
 
 def test_resident_planned_experts_are_not_evicted_by_their_own_batch():
@@ -212,7 +219,7 @@ def test_a_later_batch_never_evicts_this_windows_earlier_prefetch():
     planner.after_draft_token(3)
     planner.end_window()
     assert cache.resident_experts(0) == {1, 2}  # 2 was prefetched for this window: 3 does not evict it
-    assert cache.counters["evictions"] == 0
+    assert cache.counters.evictions == 0
 
 
 def test_prefetch_never_evicts_an_expert_the_draft_routed_to():
@@ -225,4 +232,4 @@ def test_prefetch_never_evicts_an_expert_the_draft_routed_to():
     for drafted in (1, 2, 3):
         planner.after_draft_token(drafted)
     assert cache.resident_experts(0) == {0, 1}  # 4 made room for 1; 2 found no slot (0 is predicted)
-    assert cache.counters["prefetch_loads"] == 1 and cache.counters["evictions"] == 1
+    assert cache.counters.prefetch_loads == 1 and cache.counters.evictions == 1

@@ -5,23 +5,33 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specter.kernels.moe_align import MoEWorkspace
 from specter.kernels.reference import expert_wise_moe
+from specter.offload.eviction import LRUPolicy, RoutingCounts
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
-from specter.verify.residency import ResidencyManager
+from specter.prefetch.lookahead import Ranking
+from specter.prefetch.planner import WindowPlan
+from specter.verify.residency import ResidencyManager, VerifyOptions
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 3, 8, 16, 8, 2
 
 
-def make_runtime(slots: int, seed: int) -> tuple[ResidencyManager, HostExpertStore]:
+def make_runtime(slots: int, seed: int, **options) -> tuple[ResidencyManager, HostExpertStore]:
+    """A residency manager over a random host store (no spare rows, LRU), with VerifyOptions(**options)."""
     gen = torch.Generator().manual_seed(seed)
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
         store.put_layer(layer, torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen),
                         torch.randn(EXPERTS, HIDDEN, INTER, generator=gen))
-    cache = ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")))
-    return ResidencyManager(cache), store
+    cache = ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")), LRUPolicy(), 0)
+    return ResidencyManager(cache, RoutingCounts(), VerifyOptions(**options), MoEWorkspace()), store
+
+
+def plan_of(experts: dict[int, list[int]]) -> WindowPlan:
+    """A window's plan whose verification loads `experts` (layer -> experts, in this order)."""
+    return WindowPlan({}, Ranking.of(experts))
 
 
 def layer_module(layer: int) -> SimpleNamespace:
@@ -49,21 +59,21 @@ def test_random_plans_give_the_reference_output_and_consistent_counters(slots):
         hidden = torch.randn(tokens, HIDDEN)
         routing = [torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]) for _ in range(LAYERS)]
         weights = torch.rand(tokens, TOP_K).softmax(-1)
-        cache.verify_plan = {layer: random_plan(rng, set(routing[layer].reshape(-1).tolist()))
-                             for layer in range(LAYERS)}
-        for layer in range(LAYERS):
-            before = dict(cache.counters)
-            out = manager(layer_module(layer), hidden, routing[layer], weights)
-            weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
-            ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-            delta = {key: cache.counters[key] - before[key] for key in before}
-            assert delta["hits"] + delta["misses"] == len(set(routing[layer].reshape(-1).tolist()))
-            assert all(p == 0 for p in cache.layers[layer].protected)  # every slot released
+        plan = plan_of({layer: random_plan(rng, set(routing[layer].reshape(-1).tolist())) for layer in range(LAYERS)})
+        with manager.verifying(plan):
+            for layer in range(LAYERS):
+                before = cache.counters.as_dict()
+                out = manager(layer_module(layer), hidden, routing[layer], weights)
+                weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+                ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+                delta = {key: cache.counters.as_dict()[key] - before[key] for key in before}
+                assert delta["hits"] + delta["misses"] == len(set(routing[layer].reshape(-1).tolist()))
+                assert all(p == 0 for p in cache.layers[layer].protected)  # every slot released
         manager.take_demand()
-    copies = len(cache.streams._copies)
-    assert copies == cache.counters["misses"] + cache.counters["wasted_loads"]  # each copy: a miss or a wrong guess
-    assert cache.counters["loads_ahead"] > 0 or slots == 1
+    copies = cache.streams.stats()["h2d_copies"]
+    assert copies == cache.counters.misses + cache.counters.wasted_loads  # each copy: a miss or a wrong guess
+    assert cache.counters.loads_ahead > 0 or slots == 1
 
 
 def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
@@ -75,37 +85,37 @@ def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
     manager._run_wave = lambda step, wave: (events.append(("run", [e for e, _ in wave])), run_wave(step, wave))
     cache.load = lambda layer, expert, slot=None: (events.append(("load", expert)), load(layer, expert, slot))[1]
     routing = torch.tensor([[0, 4], [1, 5], [2, 6], [3, 7]])  # [T, k]: every expert once
-    cache.verify_plan = {0: [4, 5, 6, 7]}
-    manager(layer_module(0), torch.randn(4, HIDDEN), routing, torch.full((4, 2), 0.5))
+    with manager.verifying(plan_of({0: [4, 5, 6, 7]})):
+        manager(layer_module(0), torch.randn(4, HIDDEN), routing, torch.full((4, 2), 0.5))
     assert events == [("run", [0, 1]), ("load", 4), ("load", 5), ("run", [2, 3]), ("load", 6), ("load", 7),
                       ("run", [4, 5]), ("run", [6, 7])]
 
 
 def test_a_wave_never_mixes_loaded_experts_with_ones_loaded_ahead():
-    manager, _ = make_runtime(slots=4, seed=0)
-    manager.wave, cache, runs = 4, manager.cache, []
+    manager, _ = make_runtime(slots=4, seed=0, wave=4)
+    cache, runs = manager.cache, []
     for expert in (0, 1):  # resident before the layer
         cache.release(0, cache.acquire(0, expert))
-    cache.verify_plan = {0: [0, 1, 2, 3, 4]}
-    manager._load_ahead(0)  # as the previous layer does: 2 and 3 go into the free slots, still in flight
-    assert manager.loaded_ahead == {0: {2, 3}}
-    run_wave = manager._run_wave
-    manager._run_wave = lambda step, wave: (runs.append(sorted(e for e, _ in wave)), run_wave(step, wave))
-    routing = torch.tensor([[0, 4], [1, 2], [3, 4]])  # [T, k]
-    manager(layer_module(0), torch.randn(3, HIDDEN), routing, torch.full((3, 2), 0.5))
+    with manager.verifying(plan_of({0: [0, 1, 2, 3, 4]})):
+        manager._load_ahead(0)  # as the previous layer does: 2 and 3 go into the free slots, still in flight
+        assert manager.loaded_ahead == {0: {2, 3}}
+        run_wave = manager._run_wave
+        manager._run_wave = lambda step, wave: (runs.append(sorted(e for e, _ in wave)), run_wave(step, wave))
+        routing = torch.tensor([[0, 4], [1, 2], [3, 4]])  # [T, k]
+        manager(layer_module(0), torch.randn(3, HIDDEN), routing, torch.full((3, 2), 0.5))
     assert runs == [[0, 1], [2, 3, 4]]  # not [0, 1, 2, 3]: the loaded pair does not wait for the copies
 
 
 @pytest.mark.parametrize("wave, ahead", [(1, 0), (3, 2)])
 def test_wave_size_and_layers_ahead_are_options(wave, ahead):
-    manager, _ = make_runtime(slots=4, seed=1)
-    manager.wave, manager.ahead_layers = wave, ahead
+    manager, _ = make_runtime(slots=4, seed=1, wave=wave, ahead_layers=ahead)
     cache, sizes = manager.cache, []
     run_wave = manager._run_wave
     manager._run_wave = lambda step, w: (sizes.append(len(w)), run_wave(step, w))
-    cache.verify_plan = {layer: [4, 5, 6, 7] for layer in range(LAYERS)}  # nothing of it resident yet
     routing = torch.tensor([[4, 5], [6, 7]])
-    manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
+    with manager.verifying(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)})):  # none of it resident yet
+        manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
     assert max(sizes) == wave
     assert sorted(manager.loaded_ahead) == list(range(1, 1 + ahead))  # layers 1..ahead started their plans
-    assert cache.counters["loads_ahead"] == 4 * ahead
+    assert cache.counters.loads_ahead == 4 * ahead
+    assert manager.plan is None  # the plan is the window's only

@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 import specter
-from specter.spec.sampling import logits_to_probs, rejection_accept
+from specter.speculative.sampling import logits_to_probs, rejection_accept
 from tests.conftest import prompt, tiny_model
 
 SIGMAS = 4.5  # an empirical frequency may be off by at most 4.5 standard errors (per token)

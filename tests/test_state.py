@@ -4,7 +4,7 @@ from transformers import DynamicCache
 
 import specter
 from specter.metrics import DecodeMetrics
-from specter.spec.state import StateManager, crop_cache
+from specter.speculative.state import StateManager, crop_cache
 from tests.conftest import prompt, tiny_model
 
 
@@ -26,7 +26,7 @@ def test_kv_after_speculation_matches_fresh_forward(tiny_name):
     metrics = DecodeMetrics(model.device)
     rejected_once = False
     for _ in range(6):
-        tokens, accepted = engine.speculate(state, 5, metrics)
+        tokens, accepted, _ = engine.speculate(state, 5, metrics)
         rejected_once |= accepted < 5
         state.commit(tokens, kv_keep=state.kv_length + 1 + accepted)
         assert state.cache.get_seq_length() == len(state.tokens) - 1  # all but the one uncached token
@@ -60,7 +60,7 @@ def test_crop_to_current_length_is_a_no_op():
 
 def test_static_cache_decoding_equals_hf_generate(tiny_name):
     """The CUDA path's static KV cache (rollback = moving its device-side length) is lossless too."""
-    from specter.spec.state import new_static_cache
+    from specter.speculative.state import new_static_cache
     from tests.conftest import hf_greedy
 
     model = tiny_model(tiny_name)

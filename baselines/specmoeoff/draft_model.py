@@ -13,14 +13,12 @@ from specter.models.hybrid import HybridMoEModel, hf_experts_modules, replace_mo
 from specter.models.hybrid_experts import HybridExperts
 from specter.quant.int4 import Int4Linear
 
-STEP_WORKSPACE = MoEWorkspace()  # the draft kernel's buffers for one-token steps (fixed sizes: CUDA-graph safe)
-
 
 class DraftExperts(HybridExperts):
     """Routed experts of the separate draft: INT4 only, whatever the mode, with their own kernel workspace.
 
-    One-token steps use STEP_WORKSPACE (it never grows after a graph capture); multi-token forwards
-    (prefill, catching up after a fully accepted window) allocate their own buffers.
+    One-token steps use `draft_workspace` (the SpecMoEOff engine's; it never grows after a graph capture);
+    multi-token forwards (prefill, catching up after a fully accepted window) allocate their own buffers.
     """
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -30,16 +28,17 @@ class DraftExperts(HybridExperts):
 
     def draft_experts(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if hidden.is_cuda and TRITON_AVAILABLE:
-            workspace = STEP_WORKSPACE if hidden.shape[0] == 1 else None
+            workspace = self.draft_workspace if hidden.shape[0] == 1 else None
             return fused_int4_moe(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
                                   self.act_fn, workspace=workspace)
         return int4_moe_reference(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down, self.act_fn)
 
 
 @torch.no_grad()
-def build_draft(model: HybridMoEModel) -> HybridMoEModel:
+def build_draft(model: HybridMoEModel, workspace: MoEWorkspace) -> HybridMoEModel:
     """A second instance of the architecture on the target's device: copies of every non-expert tensor and
-    of the target's INT4 expert weights (the same quantization as Specter's draft), no FP experts.
+    of the target's INT4 expert weights (the same quantization as Specter's draft), no FP experts; its
+    one-token draft steps use `workspace`.
 
     Nothing is shared with `model`: the draft has its own storage and, when decoding, its own KV cache.
     """
@@ -49,6 +48,7 @@ def build_draft(model: HybridMoEModel) -> HybridMoEModel:
     for (name, module), source in zip(hf_experts_modules(hf), model.experts, strict=True):
         experts.append(DraftExperts(source.moe_layer, source.num_experts, source.hidden_dim,
                                     source.intermediate_dim, module.act_fn))
+        experts[-1].draft_workspace = workspace
         replace_module(hf, name, experts[-1])  # before allocation: the FP experts are never materialised
     hf.to_empty(device=model.device)
     _copy_non_expert(hf, model)

@@ -3,8 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEFAULT_H2D_BYTES_PER_MS = 25e6  # 25 GB/s until measured
 STEADY_VARIANCE = 0.25  # below this spread of verified-token counts the pass/token split is not re-fitted
+
+
+@dataclass
+class Window:
+    """One speculative iteration as measured: k drafted, n accepted, tokens committed, wall ms, draft ms/step."""
+
+    k: int
+    accepted: int
+    tokens: list[int]
+    ms: float
+    draft_ms: float | None
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from baselines.specmoeoff.engine import SpecMoEOff, SpecMoEOffConfig
 from specter.config import SpecterConfig
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.budget import MemoryPlan, plan_memory
+from specter.offload.budget import MemoryPlan, plan_memory, specter_slots
 
 
 def draft_copy_bytes(plan: MemoryPlan) -> int:
@@ -18,10 +18,6 @@ def matched_memory_slots(plan: MemoryPlan, slots: int) -> int:
     separate draft's, in whole slots of every layer (rounded down), added to Specter's; in 1..experts."""
     spare = plan.draft_bytes - draft_copy_bytes(plan)  # negative: the copy costs more than Specter's draft
     return max(1, min(plan.num_experts, slots + spare // (plan.num_moe_layers * plan.expert_bytes)))
-
-
-def specter_slots(model: HybridMoEModel, specter_config: SpecterConfig) -> int:
-    return specter_config.resident_experts_per_layer or model.num_experts
 
 
 def make_specmoeoff_sc(model: HybridMoEModel, specter_config: SpecterConfig, **options) -> SpecMoEOff:

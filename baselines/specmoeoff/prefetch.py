@@ -5,7 +5,7 @@ from collections.abc import Iterable
 
 from specter.offload.expert_cache import ExpertCache
 from specter.prefetch.lookahead import PatternAnalyzer
-from specter.prefetch.planner import WindowTrace
+from specter.prefetch.planner import WindowPlan, WindowTrace, issue_prefetches
 
 FIXED = "fixed"
 
@@ -16,9 +16,9 @@ class FixedPositionPrefetch:
 
     After each draft step listed in `positions`, the draft's routing counts of this window rank each
     layer's experts (Specter's lookahead counters and analyzer); the top M (M = slots per layer) that
-    are not resident are copied in on the copy stream. Resident planned experts are touched first, so
-    the LRU victims lie outside the plan, and a window's prefetches never evict each other (the cache's
-    window plan). Windows shorter than a position skip it.
+    are not resident are copied in on the copy stream, layer by layer in rank order
+    (`issue_prefetches`). Windows shorter than a position skip it. The plan it hands to verification
+    holds the prefetched experts only: SpecMoEOff's verification loads on demand.
     """
 
     def __init__(self, analyzer: PatternAnalyzer, cache: ExpertCache, positions: Iterable[int]) -> None:
@@ -27,6 +27,10 @@ class FixedPositionPrefetch:
         self.traces: list[WindowTrace] = []
         self.trace = WindowTrace(0)
 
+    def begin_request(self, cache: ExpertCache) -> None:
+        """A request starts on `cache`: no traces yet."""
+        self.cache, self.traces = cache, []
+
     def begin_window(self, k: int) -> None:
         self.trace = WindowTrace(k)
 
@@ -34,33 +38,15 @@ class FixedPositionPrefetch:
         """Prefetch if `drafted` is a configured position; True when it did (the host read the counts)."""
         if drafted not in self.positions:
             return False
-        ranking = self.analyzer.ranking()  # layer -> experts, most frequent first (one D2H copy)
-        plan = {layer: ranked[: self.cache.slots_per_layer] for layer, ranked in ranking.items()}
+        rows = self.analyzer.ranking()  # layer -> [(expert, count)], most frequent first (one D2H copy)
         self.trace.boundaries.append(drafted)
         self.trace.phases.append(FIXED)
-        self.trace.batch_sizes.append(self._issue(plan))
+        self.trace.batch_sizes.append(issue_prefetches(self.cache, rows, self.trace.planned,
+                                                       most_routed_first=False))
         return True
 
-    def _issue(self, plan: dict[int, list[int]]) -> int:
-        """Copies for the planned experts that are not resident; returns how many were started."""
-        self.cache.window_plan = self.trace.planned  # the cache never evicts these for this window's copies
-        issued = 0
-        for layer, experts in plan.items():
-            for expert in experts:
-                self.cache.touch(layer, expert)
-            for expert in experts:
-                resident = self.cache.slot_of(layer, expert) is not None
-                if resident or self.cache.prefetch(layer, expert):
-                    issued += not resident
-                    self.trace.planned.setdefault(layer, set()).add(expert)
-        return issued
-
-    def end_window(self) -> WindowTrace:
-        """Clear the counters and the window's plan; keep the trace."""
+    def end_window(self) -> WindowPlan:
+        """Clear the counters; keep the trace; the window's plan (no verification ranking)."""
         self.analyzer.elb.clear()
-        self.cache.window_plan = {}
         self.traces.append(self.trace)
-        return self.trace
-
-    def reset(self) -> None:
-        self.traces = []
+        return WindowPlan.of(self.trace)

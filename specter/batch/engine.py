@@ -6,12 +6,9 @@ from contextlib import nullcontext
 import torch
 
 from specter.errors import SpecterError
-from specter.metrics import DecodeMetrics, GenerationResult
-from specter.models.hybrid_experts import DRAFT, TARGET
-from specter.offload.draft_graph import capture_draft_step
-from specter.prefetch.quality import PrefetchQuality
-from specter.spec.sampling import greedy_accept_batch
-from specter.spec.state import new_static_cache
+from specter.metrics import DecodeMetrics, GenerationResult, h2d_per_token
+from specter.models.hybrid_experts import DRAFT
+from specter.verify.accept import verify_batch
 
 from .state import BatchState, refuse_rope_switch
 
@@ -28,7 +25,7 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
     """
     if not engine.config.greedy:
         raise SpecterError("batched decoding is greedy only: use temperature=0")
-    engine._reset()
+    engine.begin_request()
     refuse_rope_switch(engine.model, prompts, max_new_tokens)
     state = BatchState(engine.model, prompts, static_batch_cache(engine, prompts, max_new_tokens))
     metrics = [DecodeMetrics(engine.model.device) for _ in prompts]
@@ -36,36 +33,39 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
     state.commit_first(first)
     for m in metrics:
         m.commit(1)
-    engine._end_prefill()
-    quality = PrefetchQuality()
+    engine.end_prefill()
     active = active_requests(state, max_new_tokens, eos_token_id)
     while any(active):
         k = min(engine.config.k, max(max_new_tokens - len(state.generated(r)) - 1 for r in range(len(active))
                                      if active[r]))
-        engine._snapshot_residency()
+        engine.begin_window()
         state.make_room(k + 1)
-        outcome = verify(engine, state, draft(engine, state, k, metrics), metrics)
+        drafts, plan = draft(engine, state, k, metrics)
+        outcome = verify(engine, state, drafts, plan, metrics)
         outcome = [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]  # done: no KV
         state.commit([tokens for _, tokens in outcome], [n for n, _ in outcome])
         for r, (n, tokens) in enumerate(outcome):
             if active[r]:
                 metrics[r].commit(len(tokens))
                 metrics[r].window(k, n)
-        engine._close_window(k, quality)
+        engine.close_window(plan)
         active = active_requests(state, max_new_tokens, eos_token_id)
-    return _results(engine, state, metrics, quality, max_new_tokens, eos_token_id)
+    return _results(engine, state, metrics, max_new_tokens, eos_token_id)
 
 
-def draft(engine, state: BatchState, k: int, metrics: list) -> torch.Tensor:
-    """k draft tokens per request [B, k]; all requests step together, routing counted for the planner."""
+def draft(engine, state: BatchState, k: int, metrics: list):
+    """k draft tokens per request [B, k] and the window's plan (None without prefetch or drafts); all
+    requests step together, their routing counted for the planner."""
     _phase(metrics, "draft", DecodeMetrics.begin)
-    tokens, x = [], state.last  # [B, 1]
+    tokens, x, plan = [], state.last, None  # x: [B, 1]
     observing = engine.model.observe_draft_routing(engine.elb.observe) if k else nullcontext()
     with state.draft_scratch(), observing:
         engine.planner.begin_window(k)
         for i in range(k):
             mask, positions = state.step_inputs(offset=i, length=1)
-            graph = _draft_graph(engine, state, mask, positions)
+            graph = None
+            if state.static is not None:
+                graph = engine.graphs.capture(state.batch_size, state.cache, state.mask.shape[1], mask, positions)
             if graph is not None:
                 x = graph.step(x, mask, positions).view(-1, 1)  # [B, 1]
             else:
@@ -74,9 +74,9 @@ def draft(engine, state: BatchState, k: int, metrics: list) -> torch.Tensor:
             tokens.append(x)
             engine.planner.after_draft_token(i + 1)
         if k:
-            engine.planner.end_window()
+            plan = engine.planner.end_window()
     _phase(metrics, "draft", DecodeMetrics.end)
-    return torch.cat(tokens, dim=1) if tokens else state.last[:, :0]
+    return (torch.cat(tokens, dim=1) if tokens else state.last[:, :0]), plan
 
 
 BATCH_CACHE_QUANTUM = 256  # static batch caches are sized in these steps, so short and long runs share a capture
@@ -93,34 +93,15 @@ def static_batch_cache(engine, prompts: list[torch.Tensor], max_new_tokens: int)
     k = engine.config.k
     needed = max(p.shape[-1] for p in prompts) + max_new_tokens + 4 * (k + 1)
     length = -(-needed // BATCH_CACHE_QUANTUM) * BATCH_CACHE_QUANTUM
-    key = (len(prompts), length)
-    if engine.batch_cache_key != key:
-        engine.batch_graph, engine.batch_graph_status, engine.batch_cache = None, "off", None  # free the old one
-        engine.batch_cache, engine.batch_cache_key = new_static_cache(engine.model, length), key
-    return engine.batch_cache
+    return engine.graphs.static_cache(len(prompts), length)
 
 
-def _draft_graph(engine, state: BatchState, mask: torch.Tensor, positions: torch.Tensor):
-    """The captured batched draft step for this static cache (captured at its first use), or None."""
-    if state.static is None:
-        return None
-    if engine.model.device.type != "cuda":
-        engine.batch_graph_status = "off: eager on a static cache (no CUDA device)"
-        return None
-    if engine.batch_graph is None and engine.batch_graph_status == "off":
-        engine.batch_graph, reason = capture_draft_step(engine.model, state.cache, engine.elb, state.mask.shape[1],
-                                                        mask, positions)
-        engine.batch_graph_status = "on" if engine.batch_graph is not None else f"failed: {reason}"
-    return engine.batch_graph
-
-
-def verify(engine, state: BatchState, drafts: torch.Tensor, metrics: list) -> list[tuple[int, list[int]]]:
-    """One target forward over [last, drafts] of every request; (accepted, tokens to commit) per request."""
+def verify(engine, state: BatchState, drafts: torch.Tensor, plan, metrics: list) -> list[tuple[int, list[int]]]:
+    """One target forward over [last, drafts] of every request, verified with the window's `plan`;
+    (accepted, tokens to commit) per request."""
     _phase(metrics, "verify", DecodeMetrics.begin)
-    mask, positions = state.step_inputs(offset=0, length=drafts.shape[1] + 1)
-    verify_input = torch.cat([state.last, drafts], dim=1)  # [B, k+1]
-    logits = engine.model.forward(verify_input, state.cache, TARGET, mask, positions)  # [B, k+1, V]
-    outcome = greedy_accept_batch(drafts, logits)
+    with engine.verifying(plan):
+        outcome = verify_batch(engine.model, state, drafts)
     _phase(metrics, "verify", DecodeMetrics.end)
     return outcome
 
@@ -135,11 +116,11 @@ def active_requests(state: BatchState, max_new_tokens: int, eos: int | None) -> 
             for r in range(state.batch_size)]
 
 
-def _results(engine, state: BatchState, metrics: list, quality: PrefetchQuality, max_new_tokens: int,
-             eos: int | None) -> list[GenerationResult]:
+def _results(engine, state: BatchState, metrics: list, max_new_tokens: int, eos: int | None) -> list[GenerationResult]:
     """Per request: its tokens and metrics, plus the shared cache's stats."""
-    status = engine.batch_graph_status if state.static is not None else "off: eager (no static batch cache)"
-    shared = {**engine._stats(metrics[0], quality), "draft_graph": status}
+    eager = "off: eager (no static batch cache)"
+    status = engine.graphs.status(state.batch_size) if state.static is not None else eager
+    shared = {**engine.stats(metrics[0]), "draft_graph": status}
     return batch_results(generated_tokens(state), metrics, max_new_tokens, eos, shared)
 
 
@@ -155,9 +136,7 @@ def batch_results(generated: list[list[int]], metrics: list, max_new_tokens: int
     summaries = [m.summary() for m in metrics]
     total = sum(s["generated_tokens"] for s in summaries)
     wall_ms = max(s["e2e_ms"] for s in summaries)
-    shared = dict(shared)
-    if "h2d_bytes" in shared:
-        shared["h2d_bytes_per_token"] = shared["h2d_bytes"] / max(total, 1)
+    shared = h2d_per_token(dict(shared), total)
     batch = {"batch_size": len(generated),
              "throughput_tok_s": total / wall_ms * 1e3 if wall_ms > 0 else float("nan"),
              "mean_tpot_ms": sum(s["tpot_ms"] for s in summaries) / len(summaries)}

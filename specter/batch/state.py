@@ -11,7 +11,7 @@ from transformers.cache_utils import StaticLayer
 
 from specter.errors import SpecterError
 from specter.models.hybrid_experts import TARGET
-from specter.spec.state import crop_cache, rope_switch
+from specter.speculative.state import crop_cache, rope_switch
 
 
 def refuse_rope_switch(model, prompts: list, max_new_tokens: int) -> None:

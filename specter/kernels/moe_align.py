@@ -20,10 +20,14 @@ MAX_ONE_LAUNCH = 16384  # pairs x experts (both padded to powers of two) one pro
 
 
 class MoEWorkspace:
-    """Reusable intermediate buffers, keyed by (name, dtype, device) and grown on demand; one per stream."""
+    """Reusable intermediate buffers, keyed by (name, dtype, device) and grown on demand; one per stream.
+
+    `one_launch`: the one-launch alignment kernel may be tried (False once this Triton failed to compile it).
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.one_launch = True
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = 1
@@ -70,19 +74,19 @@ def moe_align_block_size(top_k_index: torch.Tensor, num_experts: int, block_m: i
     one program (CUDA, or the interpreter), else a sequence of torch ops (`moe_align_torch`)."""
     pairs, experts = _pow2(top_k_index.numel()), _pow2(num_experts)
     compiled = top_k_index.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if TRITON_AVAILABLE and compiled and pairs * experts <= MAX_ONE_LAUNCH and _ONE_LAUNCH["ok"]:
+    allowed = workspace is None or workspace.one_launch
+    if TRITON_AVAILABLE and compiled and pairs * experts <= MAX_ONE_LAUNCH and allowed:
         try:
             return moe_align_triton(top_k_index, num_experts, block_m, workspace)
-        except Exception as err:  # a Triton build that cannot compile it: say so once, keep decoding
-            _disable_one_launch(err)
+        except Exception as err:  # a Triton build that cannot compile it: say so, keep decoding
+            _disable_one_launch(err, workspace)
     return moe_align_torch(top_k_index, num_experts, block_m, workspace)
 
 
-_ONE_LAUNCH = {"ok": True}  # set False (with a warning) if this Triton cannot compile the kernel
-
-
-def _disable_one_launch(err: Exception) -> None:
-    _ONE_LAUNCH["ok"] = False
+def _disable_one_launch(err: Exception, workspace: MoEWorkspace | None) -> None:
+    """No more one-launch alignments with `workspace` (its owner's kernels use the torch alignment)."""
+    if workspace is not None:
+        workspace.one_launch = False
     warnings.warn(f"one-launch expert alignment failed ({type(err).__name__}: {str(err).splitlines()[0][:160]}); "
                   "using the torch alignment", RuntimeWarning, stacklevel=3)
 

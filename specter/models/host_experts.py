@@ -34,16 +34,11 @@ def install_layer(shell: HybridExperts, store: HostExpertStore, gate_up: torch.T
     store.put_layer(shell.moe_layer, gate_up, down)
 
 
-def new_store(shells: list[HybridExperts], dtype: torch.dtype, device: torch.device) -> HostExpertStore:
-    first = shells[0]
-    return HostExpertStore(len(shells), first.num_experts, first.hidden_dim, first.intermediate_dim, dtype, device)
-
-
 def hybridize_to_host(hf_model: nn.Module, spec: ModelSpec, tokenizer: Any, device: torch.device) -> HybridMoEModel:
     """An HF model loaded on the CPU -> experts into the host store layer by layer, the rest onto `device`."""
     pairs = swap_in_shells(hf_model)
     dtype = pairs[0][1].gate_up_proj.dtype
-    store = new_store([shell for shell, _ in pairs], dtype, device)
+    store = HostExpertStore.for_experts([shell for shell, _ in pairs], dtype, device)
     for shell, module in pairs:
         install_layer(shell, store, module.gate_up_proj.detach(), module.down_proj.detach(), device)
         del module.gate_up_proj, module.down_proj  # free the loader's copy of this layer
@@ -66,7 +61,7 @@ def build_synthetic_on_host(spec: ModelSpec, config: transformers.PretrainedConf
     g = None
     if calibrated:
         g = calibrate(hf_model, routing_profile(spec), special_ids(config), moe_layer_count(config), seed)
-    store = new_store(shells, dtype, device)
+    store = HostExpertStore.for_experts(shells, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     std = config.initializer_range
     for shell in shells:

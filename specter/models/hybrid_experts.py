@@ -12,8 +12,6 @@ from specter.quant.int4 import Int4Linear, quantize_rtn
 
 DRAFT, TARGET = "draft", "target"
 
-DRAFT_WORKSPACE = MoEWorkspace()  # intermediate buffers of the fused draft kernel, shared by all layers
-
 RoutingObserver = Callable[[int, torch.Tensor], None]  # (moe_layer, top_k_index [T, k])
 TargetExecutor = Callable[["HybridExperts", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -40,10 +38,9 @@ class HybridExperts(nn.Module):
         self.mode = TARGET
         self.routing_observer: RoutingObserver | None = None
         self.target_executor: TargetExecutor | None = None
-        self.draft_backend = "auto"  # "auto": fused kernel on CUDA; "reference": the torch reference
-        # Shared by all layers of a model. A captured draft graph points into it: a later draft forward
-        # over more tokens than at capture would grow (reallocate) it, so a second model needs its own.
-        self.draft_workspace = DRAFT_WORKSPACE
+        # The fused draft kernel's buffers (None: its own per call). An engine installs its own on every
+        # layer for the duration of a call: a draft graph it captured points into them.
+        self.draft_workspace: MoEWorkspace | None = None
 
     @classmethod
     def from_hf(cls, hf_experts: nn.Module, moe_layer: int) -> HybridExperts:
@@ -88,7 +85,7 @@ class HybridExperts(nn.Module):
 
     def draft_experts(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """INT4 routed experts: the fused Triton kernel on CUDA, the torch reference elsewhere."""
-        if hidden.is_cuda and TRITON_AVAILABLE and self.draft_backend != "reference":
+        if hidden.is_cuda and TRITON_AVAILABLE:
             return fused_int4_moe(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
                                   self.act_fn, workspace=self.draft_workspace)
         return int4_moe_reference(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down, self.act_fn)

@@ -46,6 +46,12 @@ class MemoryPlan:
         return slots
 
 
+def specter_slots(model, config) -> int:
+    """Specter's FP slots per layer under `config` (a SpecterConfig; every expert of `model` when it keeps
+    them all resident)."""
+    return config.resident_experts_per_layer or model.num_experts
+
+
 def kv_bytes_per_token(config: transformers.PretrainedConfig, element_size: int) -> int:
     """HF DynamicCache bytes per token: DeepSeek-V2 caches the compressed latent (MLA), others K and V."""
     layers = config.num_hidden_layers

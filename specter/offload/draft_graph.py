@@ -1,10 +1,13 @@
 """The greedy draft step (a token per request through every layer, INT4 experts, lookahead counters) as a CUDA graph."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers import StaticCache
 
 from specter.models.hybrid_experts import DRAFT
-from specter.spec.state import rope_switch
+from specter.speculative.state import new_static_cache, rope_switch
 
 WARMUP_STEPS = 2
 
@@ -74,3 +77,67 @@ def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | N
             layer.cumulative_length.fill_(kv_length)
         elb.clear()
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+
+
+@dataclass
+class GraphEntry:
+    """A static KV cache, the draft step captured over it (None: not yet, or it failed) and why."""
+
+    batch: int | None
+    cache: StaticCache
+    graph: DraftStepGraph | None = None
+    status: str = "off"
+
+
+class DraftGraphCache:
+    """Static KV caches for CUDA-graph drafting and the draft step captured over each, keyed by batch shape.
+
+    Batch `None` is single-request decoding (no mask or position inputs): one cache of at least the asked
+    length, kept while requests fit and replaced by a longer one. A batch of B requests: one cache of
+    exactly the asked length, replaced when B or the length changes. A replaced cache takes its graph
+    with it (the captured addresses changed); a capture that failed is not tried again on the same cache.
+    """
+
+    def __init__(self, model, elb) -> None:
+        self.model, self.elb = model, elb
+        self._entries: dict[bool, GraphEntry] = {}  # batched? -> its entry
+
+    def static_cache(self, batch: int | None, length: int, min_length: int = 0) -> StaticCache:
+        """The cache for `batch` with room for `length` positions (a new one of max(length, min_length)
+        positions when the kept one does not fit)."""
+        entry = self._entries.get(batch is not None)
+        if entry is None or entry.batch != batch or not _fits(entry, length):
+            self._entries.pop(batch is not None, None)  # free the old cache and graph first
+            entry = GraphEntry(batch, new_static_cache(self.model, max(length, min_length)))
+            self._entries[batch is not None] = entry
+        return entry.cache
+
+    def capture(self, batch: int | None, cache, kv_length: int, mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> DraftStepGraph | None:
+        """The draft step captured over `cache` (`batch`'s static cache; captured at the first call, a batch
+        with its first step's `mask` and `positions`), or None: draft eagerly."""
+        entry = self._entry(batch, cache)
+        if entry is not None and entry.graph is None and entry.status == "off":
+            entry.graph, reason = capture_draft_step(self.model, cache, self.elb, kv_length, mask, positions)
+            entry.status = "on" if entry.graph is not None else f"failed: {reason}"
+        return self.graph(batch, cache)
+
+    def graph(self, batch: int | None, cache) -> DraftStepGraph | None:
+        """The draft step captured over `cache`, or None."""
+        entry = self._entry(batch, cache)
+        return None if entry is None else entry.graph
+
+    def status(self, batch: int | None) -> str:
+        """"on", "off" (nothing captured) or "failed: why" for `batch`'s static cache."""
+        entry = self._entries.get(batch is not None)
+        return "off" if entry is None else entry.status
+
+    def _entry(self, batch: int | None, cache) -> GraphEntry | None:
+        entry = self._entries.get(batch is not None)
+        return entry if entry is not None and entry.cache is cache else None
+
+
+def _fits(entry: GraphEntry, length: int) -> bool:
+    """A single request's cache fits any length up to its own; a batch's is made for one length."""
+    size = entry.cache.max_cache_len
+    return size >= length if entry.batch is None else size == length

@@ -1,8 +1,8 @@
-"""Expert cache: a fixed number of FP16 slots per MoE layer on the device, LRU, protection, event-guarded reuse."""
+"""Expert cache: a fixed number of FP16 slots per MoE layer on the device, protection, event-guarded reuse."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -45,60 +45,34 @@ class LayerSlots:
         return [s for s in self.lru if not self.protected[s]]
 
 
-class LRUPolicy:
-    """The paper's policy: evict the least recently used unprotected slot (empty slots first)."""
+@dataclass
+class CacheCounters:
+    """What the cache did in one request: lookups, loads by reason, evictions, and same-window reloads by the
+    cause of the eviction (`CAUSES`)."""
 
-    name = "lru"
+    hits: int = 0
+    hits_prefetched: int = 0  # hits on experts the planner loaded
+    misses: int = 0
+    misses_planned: int = 0  # misses loaded on the draft's plan before the router was read
+    wasted_loads: int = 0  # loaded on the plan, not routed
+    loads_ahead: int = 0
+    prefetch_loads: int = 0
+    evictions: int = 0
+    reloads_after_prefetch: int = 0
+    reloads_after_ahead: int = 0
+    reloads_after_verify: int = 0
 
-    def __init__(self, routing_counts: dict | None = None) -> None:
-        self.routing_counts = routing_counts if routing_counts is not None else {}  # layer -> [E] (target)
+    def count_reload(self, cause: str) -> None:
+        name = f"reloads_after_{cause}"
+        setattr(self, name, getattr(self, name) + 1)
 
-    def victim(self, layer: int, slots: LayerSlots, predicted: dict, keep: frozenset = frozenset()) -> int | None:
-        candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
-        empty = [s for s in candidates if slots.expert_of[s] is None]
-        return (empty or candidates or [None])[0]
+    @property
+    def loads(self) -> int:
+        """Experts copied in on demand or by a prefetch."""
+        return self.misses + self.prefetch_loads
 
-    def stream_victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
-        """The victim of a copy streamed into a verify layer's released slots (`victim` unless overridden)."""
-        return self.victim(layer, slots, predicted)
-
-
-class LookaheadPolicy(LRUPolicy):
-    """LRU, but never evicts an expert the current window's draft routing predicts while another slot will do."""
-
-    name = "lookahead"
-
-    def victim(self, layer: int, slots: LayerSlots, predicted: dict, keep: frozenset = frozenset()) -> int | None:
-        preferred = super().victim(layer, slots, predicted, keep | frozenset(predicted.get(layer, ())))
-        return preferred if preferred is not None else super().victim(layer, slots, predicted, keep)
-
-
-class PopularityPolicy(LRUPolicy):
-    """Evict the unprotected slot whose expert the target has routed the fewest tokens to in this request
-    (least recently used among ties): popular experts stay resident across windows, and a prefetch
-    replaces the resident expert least likely to be needed."""
-
-    name = "popularity"
-
-    def victim(self, layer: int, slots: LayerSlots, predicted: dict, keep: frozenset = frozenset()) -> int | None:
-        candidates = [s for s in slots.unprotected_lru() if slots.expert_of[s] not in keep]
-        counts = self.routing_counts.get(layer)
-        if counts is None or not candidates or any(slots.expert_of[s] is None for s in candidates):
-            return super().victim(layer, slots, predicted, keep)  # empty slots first, as LRU
-        return min(candidates, key=lambda s: counts[slots.expert_of[s]])  # the first (LRU) among ties
-
-    def stream_victim(self, layer: int, slots: LayerSlots, predicted: dict) -> int | None:
-        """Least routed among the slots released earliest (one launch's slots share a last-use event): a
-        copy into a slot the latest wave still reads would hold up the copy stream until that wave ends."""
-        candidates = slots.unprotected_lru()
-        if not candidates or any(slots.expert_of[s] is None for s in candidates):
-            return super().victim(layer, slots, predicted)  # nothing to choose, or empty slots first (LRU)
-        earliest = min(slots.released[s] for s in candidates)
-        released_later = frozenset(slots.expert_of[s] for s in candidates if slots.released[s] != earliest)
-        return self.victim(layer, slots, predicted, keep=released_later)
-
-
-POLICIES = {"lru": LRUPolicy, "lookahead": LookaheadPolicy, "popularity": PopularityPolicy}
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class SpareRow(NamedTuple):
@@ -119,7 +93,8 @@ class ExpertCache:
     `acquire` makes an expert resident (loading it on a miss) and protects its slot; `release`
     records the last-use event and unprotects it. A copy overwrites a device row only after the
     last-use event of that row's last readers (the copy stream waits for it), so no kernel ever reads a
-    row being refilled.
+    row being refilled. `policy` (specter.offload.eviction) picks victims; callers pass what a load must
+    keep.
 
     Every slot is a row of one device pool [layers x slots + spare_rows, 3*I*H]. With spare rows (shared
     by all layers, as Mixtral-Offloading's staging buffers), a load lands in the spare row released
@@ -129,22 +104,15 @@ class ExpertCache:
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
-                 streams: DeviceStreams, policy: str = "lru", spare_rows: int = 0) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown eviction policy {policy!r}; known: {', '.join(POLICIES)}")
+                 streams: DeviceStreams, policy, spare_rows: int) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
-        self.spare_rows = spare_rows
-        self.routing_counts: dict[int, list[int]] = {}  # layer -> tokens the target routed to each expert
-        self.policy = POLICIES[policy](self.routing_counts)
+        self.policy, self.spare_rows = policy, spare_rows
         rows = store.num_layers * slots_per_layer + spare_rows
         self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
         self.layers = [LayerSlots(slots_per_layer, first_row=layer * slots_per_layer)
                        for layer in range(store.num_layers)]
-        self.predicted: dict[int, set] = {}  # layer -> experts the current draft window predicts
-        self.window_plan: dict[int, set] = {}  # layer -> experts prefetched for the current window
-        self.verify_plan: dict[int, list] = {}  # layer -> the draft's routing of the window being verified
         self.reset()
 
     def reset(self) -> None:
@@ -153,12 +121,8 @@ class ExpertCache:
             slots.clear()
         first_spare = len(self.layers) * self.slots_per_layer
         self.spares = deque(SpareRow(row, None, None) for row in range(first_spare, first_spare + self.spare_rows))
-        self.predicted, self.window_plan, self.verify_plan = {}, {}, {}
-        self.routing_counts.clear()  # (the policy holds this dict)
         self.releases = 0  # launches whose slots were released (LayerSlots.released numbers them)
-        self.counters = {"hits": 0, "hits_prefetched": 0, "misses": 0, "misses_planned": 0, "wasted_loads": 0,
-                         "loads_ahead": 0, "prefetch_loads": 0, "evictions": 0,
-                         **{f"reloads_after_{cause}": 0 for cause in CAUSES}}
+        self.counters = CacheCounters()
         self.begin_window()
 
     def begin_window(self) -> None:
@@ -185,7 +149,7 @@ class ExpertCache:
 
     def load_if_free(self, layer: int, expert: int) -> int | None:
         """`load` into the policy's victim slot, or None (nothing started) if every slot is protected."""
-        slot = self.policy.stream_victim(layer, self.layers[layer], self.predicted)
+        slot = self.policy.stream_victim(layer, self.layers[layer])
         return None if slot is None else self.load(layer, expert, slot)
 
     def acquire(self, layer: int, expert: int) -> int:
@@ -194,11 +158,11 @@ class ExpertCache:
         slot = slots.slot_of.get(expert)
         if slot is None:
             slot = self._load(layer, expert, DEMAND)
-            self.counters["misses"] += 1
+            self.counters.misses += 1
         else:
-            self.counters["hits"] += 1
+            self.counters.hits += 1
             if slots.loaded_by[slot] == PREFETCH:
-                self.counters["hits_prefetched"] += 1
+                self.counters.hits_prefetched += 1
                 slots.loaded_by[slot] = DEMAND  # counted once
         slots.protected[slot] += 1
         slots.lru.move_to_end(slot)
@@ -225,7 +189,9 @@ class ExpertCache:
     def load_ahead(self, layer: int, expert: int, keep: frozenset) -> bool:
         """Start loading `expert` into an unprotected slot whose expert is not in `keep` (a layer's
         verification plan); False if there is none. Not protected: nothing runs on the layer before it."""
-        return self._load_unless_kept(layer, expert, DEMAND, keep, "loads_ahead", cause="ahead")
+        loaded = self._load_unless_kept(layer, expert, DEMAND, keep, cause="ahead")
+        self.counters.loads_ahead += loaded
+        return loaded
 
     def count_lookups(self, layer: int, routed: list[int], resident: dict[int, int], planned: set,
                       prefetched: set) -> None:
@@ -234,13 +200,13 @@ class ExpertCache:
         resident: what was resident when the layer started; planned: experts loaded before the routing
         was read, on the draft's prediction; prefetched: resident experts the planner had brought in.
         """
-        slots, routed_set = self.layers[layer], set(routed)
+        slots, routed_set, counters = self.layers[layer], set(routed), self.counters
         hits = routed_set & resident.keys()
-        self.counters["hits"] += len(hits)
-        self.counters["hits_prefetched"] += len(hits & prefetched)
-        self.counters["misses"] += len(routed_set) - len(hits)
-        self.counters["misses_planned"] += len(routed_set & planned)
-        self.counters["wasted_loads"] += len(planned - routed_set)
+        counters.hits += len(hits)
+        counters.hits_prefetched += len(hits & prefetched)
+        counters.misses += len(routed_set) - len(hits)
+        counters.misses_planned += len(routed_set & planned)
+        counters.wasted_loads += len(planned - routed_set)
         for expert in sorted(hits):
             slot = slots.slot_of.get(expert)
             if slot is not None:
@@ -252,24 +218,26 @@ class ExpertCache:
         slots = self.layers[layer]
         return {e for e, s in slots.slot_of.items() if slots.loaded_by[s] == PREFETCH}
 
-    def prefetch(self, layer: int, expert: int) -> bool:
-        """Start loading `expert` unless resident; False if every unprotected slot holds an expert of this
-        window's plan or one the window's draft has routed to (a prefetch only replaces an expert with no
-        sign of being needed: evicting a predicted one would just move its load into verification)."""
+    def prefetch(self, layer: int, expert: int, keep: frozenset = frozenset(),
+                 predicted: frozenset = frozenset()) -> bool:
+        """Start loading `expert` unless resident; False if every unprotected slot holds an expert of `keep`
+        (this window's plan) or of `predicted` (the experts the window's draft has routed to): a prefetch
+        only replaces an expert with no sign of being needed, since evicting a predicted one would just
+        move its load into verification."""
         if expert in self.layers[layer].slot_of:
             return True
-        keep = frozenset(self.window_plan.get(layer, ())) | frozenset(self.predicted.get(layer, ()))
-        return self._load_unless_kept(layer, expert, PREFETCH, keep, "prefetch_loads")
+        loaded = self._load_unless_kept(layer, expert, PREFETCH, keep | predicted, predicted=predicted)
+        self.counters.prefetch_loads += loaded
+        return loaded
 
-    def _load_unless_kept(self, layer: int, expert: int, reason: str, keep: frozenset, counter: str,
-                          cause: str = PREFETCH) -> bool:
+    def _load_unless_kept(self, layer: int, expert: int, reason: str, keep: frozenset, cause: str = PREFETCH,
+                          predicted: frozenset = frozenset()) -> bool:
         slots = self.layers[layer]
-        slot = self.policy.victim(layer, slots, self.predicted, keep)
+        slot = self.policy.victim(layer, slots, keep, predicted)
         if slot is None:
             return False
         self._load(layer, expert, reason, slot, cause)
         slots.lru.move_to_end(slot)
-        self.counters[counter] += 1
         return True
 
     def touch(self, layer: int, expert: int) -> None:
@@ -299,17 +267,17 @@ class ExpertCache:
 
     def _load(self, layer: int, expert: int, reason: str, slot: int | None = None, cause: str = "verify") -> int:
         slots = self.layers[layer]
-        slot = self.policy.victim(layer, slots, self.predicted) if slot is None else slot
+        slot = self.policy.victim(layer, slots) if slot is None else slot
         if slot is None:
             raise NoFreeSlot(f"layer {layer}: all {slots.size} slots are protected")
         old = slots.expert_of[slot]
         if old is not None:
             del slots.slot_of[old]
-            self.counters["evictions"] += 1
+            self.counters.evictions += 1
             self.evicted_by[layer, old] = cause
         earlier = self.evicted_by.pop((layer, expert), None)
         if earlier is not None:
-            self.counters[f"reloads_after_{earlier}"] += 1
+            self.counters.count_reload(earlier)
         slots.expert_of[slot], slots.slot_of[expert], slots.loaded_by[slot] = expert, slot, reason
         target = self._swap_in_spare(slots, slot)
         slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert),

@@ -21,6 +21,12 @@ class HostExpertStore:
         self.compute_device = torch.device(compute_device)
         self.buffers: list[torch.Tensor | None] = [None] * num_layers  # allocated as each layer arrives
 
+    @classmethod
+    def for_experts(cls, experts: list, dtype: torch.dtype, compute_device: torch.device) -> HostExpertStore:
+        """An empty store shaped like `experts` (a model's HybridExperts layers, in order)."""
+        first = experts[0]
+        return cls(len(experts), first.num_experts, first.hidden_dim, first.intermediate_dim, dtype, compute_device)
+
     @property
     def expert_bytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()

@@ -1,118 +1,156 @@
-"""Attach the offload runtime to a hybrid model: FP experts to the host store, a slot cache, the residency manager."""
+"""Attach the offload runtime to a hybrid model: FP experts to the host store, a slot cache, residency managers."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from statistics import mean
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
+from specter.config import SpecterConfig
+from specter.defaults import config_default
 from specter.errors import SpecterError
+from specter.hooks import attributes_set
+from specter.kernels.moe_align import MoEWorkspace
+from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
-from specter.verify.residency import ResidencyManager
+from specter.verify.residency import ResidencyManager, VerifyOptions
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The slot cache one system decodes through and how it verifies (the defaults are SpecterConfig's).
+    Systems sharing a model share its cache while their slots, policy and spare rows agree."""
+
+    slots: int
+    policy: str = config_default("eviction")
+    spare_rows: int = config_default("spare_rows")
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+
+    @classmethod
+    def of(cls, config: SpecterConfig) -> OffloadConfig:
+        verify = VerifyOptions(config.expert_wise, config.verify_wave, config.load_ahead_layers, config.copy_streams)
+        return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, verify)
+
+    def attach(self, model) -> OffloadRuntime:
+        """The model's runtime with this cache (`offload_experts`: the experts move to the host store once)."""
+        return offload_experts(model, self.slots, self.policy, self.spare_rows)
 
 
 @dataclass
 class OffloadRuntime:
-    """Everything that serves the target's routed experts from host memory through a fixed slot cache."""
+    """The model's offloaded experts: the host store, the copy streams, the slot cache, the target routing
+    counts its eviction policy reads, and the residency manager that serves target forwards outside any
+    system's call (systems install their own for the duration of a call: `serving`)."""
 
     store: HostExpertStore
     streams: DeviceStreams
     cache: ExpertCache
+    routing: RoutingCounts
     residency: ResidencyManager
+
+
+@dataclass
+class OffloadSession:
+    """One system's use of the model's runtime during one generate() call, with its own residency manager."""
+
+    runtime: OffloadRuntime
+    residency: ResidencyManager
+
+    @property
+    def cache(self) -> ExpertCache:
+        return self.runtime.cache
+
+    @property
+    def streams(self) -> DeviceStreams:
+        return self.runtime.streams
+
+    @property
+    def store(self) -> HostExpertStore:
+        return self.runtime.store
 
     def reset(self) -> None:
         """Same initial state before each input: empty cache, zeroed counters."""
         self.streams.synchronize()
         self.cache.reset()
+        self.runtime.routing.clear()
         self.residency.reset()
         self.streams.reset_stats()
 
     def stats(self) -> dict:
-        counters = dict(self.cache.counters)
+        counters = self.cache.counters.as_dict()
         lookups = counters["hits"] + counters["misses"]
-        sets = self.residency.working_sets
         return {
             **counters,
             "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
             **self.streams.stats(),
-            "working_set_mean": mean(sets) if sets else float("nan"),
-            "verify_host_ms": self.residency.host_ms,  # host time in the MoE layers of target passes
-            "verify_host_wait_ms": self.residency.host_wait_ms,  # of it: waiting for routers' top-k
-            "routing_counts": [self.residency.routing_counts.get(layer, []) for layer in range(len(self.cache.layers))],
+            **self.residency.stats(),
+            "routing_counts": self.runtime.routing.per_layer(len(self.cache.layers)),
             "resident_experts_per_layer": self.cache.slots_per_layer,
             "eviction_policy": self.cache.policy.name,
         }
 
 
-def move_experts_to_store(model) -> HostExpertStore:
-    """Copy every layer's FP experts into a new host store and drop them from the device, layer by layer."""
-    first = model.experts[0]
-    store = HostExpertStore(model.num_moe_layers, first.num_experts, first.hidden_dim, first.intermediate_dim,
-                            first.gate_up_proj.dtype, model.device)
+def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStore:
+    """A new host store holding every layer's FP experts, moved layer by layer (each layer's device copy
+    dropped as it goes), or copied with `keep_on_device`."""
+    store = HostExpertStore.for_experts(model.experts, model.experts[0].gate_up_proj.dtype, model.device)
     for layer, module in enumerate(model.experts):
         store.put_layer(layer, module.gate_up_proj.detach(), module.down_proj.detach())
-        del module.gate_up_proj, module.down_proj
-    release_device_memory()
+        if not keep_on_device:
+            del module.gate_up_proj, module.down_proj
+    if not keep_on_device:
+        release_device_memory()
     return store
 
 
-@dataclass(frozen=True)
-class VerifyOptions:
-    """How verification streams experts (SpecterConfig's verify_wave, load_ahead_layers, copy_streams,
-    spare_rows; a change of spare_rows allocates a new cache)."""
-
-    expert_wise: bool = True
-    wave: int = 0
-    ahead_layers: int = 2
-    copy_streams: int = 1
-    spare_rows: int = 4
-
-
-def offload_experts(model, slots: int, policy: str = "lru", options: VerifyOptions | None = None) -> OffloadRuntime:
+def offload_experts(model, slots: int, policy: str = config_default("eviction"),
+                    spare_rows: int = config_default("spare_rows")) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
-    slot count or policy builds a new cache over the same store. Every call sets the verification
-    options (the defaults without `options`), so each system decodes with its own.
+    slot count, policy or number of spare rows builds a new cache over the same store (the old one is
+    freed first). The runtime's own residency manager (default verification options) becomes every
+    layer's target executor.
     """
     if not 1 <= slots <= model.num_experts:
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
-    options = options or VerifyOptions()
     runtime = model.offload
     cache = None if runtime is None else runtime.cache
-    if cache is not None and (cache.slots_per_layer, cache.policy.name, cache.spare_rows) == (
-            slots, policy, options.spare_rows):
-        _configure(runtime, options)
+    key = (slots, policy, spare_rows)
+    if cache is not None and (cache.slots_per_layer, cache.policy.name, cache.spare_rows) == key:
         return runtime
     if model.host_store is None:
         model.host_store = move_experts_to_store(model)
-    store = model.host_store
     if runtime is None:
         streams = DeviceStreams(model.device)
     else:
         streams = runtime.streams
         runtime.cache.free()  # free the old slots before allocating the new ones
         release_device_memory()
-    cache = ExpertCache(store, slots, model.device, streams, policy, options.spare_rows)
-    runtime = OffloadRuntime(store, streams, cache, ResidencyManager(cache))
-    _configure(runtime, options)
+    routing = RoutingCounts()
+    cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows)
+    residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
+    runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency)
     for module in model.experts:
-        module.target_executor = runtime.residency
+        module.target_executor = residency
     model.offload = runtime
     return runtime
 
 
-def _configure(runtime: OffloadRuntime, options: VerifyOptions) -> None:
-    residency = runtime.residency
-    residency.expert_wise, residency.wave, residency.ahead_layers = (options.expert_wise, options.wave,
-                                                                     options.ahead_layers)
-    runtime.streams.split_waiting_copies = options.copy_streams == 2
-
-
-def is_offloaded(model) -> bool:
-    return getattr(model, "offload", None) is not None
+@contextmanager
+def serving(model, config: OffloadConfig, workspace: MoEWorkspace) -> Iterator[OffloadSession]:
+    """For the duration of one call: the model's runtime with `config`'s cache (rebuilt if another system
+    left another one), a residency manager with `config.verify` and `workspace` as every layer's target
+    executor, and the copy streams split as `config.verify.copy_streams` asks; the model's previous
+    executors and stream setting afterwards."""
+    runtime = config.attach(model)
+    residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace)
+    with attributes_set(model.experts, target_executor=residency), \
+            attributes_set([runtime.streams], split_waiting_copies=config.verify.copy_streams == 2):
+        yield OffloadSession(runtime, residency)
 
 
 def release_device_memory() -> None:

@@ -1,6 +1,14 @@
-"""Draft-time expert prediction: lookahead counters, pattern analyzer, layer-aware prefetch planner."""
-from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
-from specter.prefetch.planner import COLD_START, FINAL_CLEANUP, PREFETCH_OVERLAP, CostModel, PrefetchPlanner
+"""Draft-time expert prediction: lookahead counters, pattern analyzer, layer-aware prefetch planner, window plans."""
+from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer, Ranking
+from specter.prefetch.planner import (
+    COLD_START,
+    FINAL_CLEANUP,
+    PREFETCH_OVERLAP,
+    CostModel,
+    PrefetchPlanner,
+    WindowPlan,
+    issue_prefetches,
+)
 
 __all__ = ["COLD_START", "FINAL_CLEANUP", "PREFETCH_OVERLAP", "CostModel", "ExpertLookaheadBuffer",
-           "PatternAnalyzer", "PrefetchPlanner"]
+           "PatternAnalyzer", "PrefetchPlanner", "Ranking", "WindowPlan", "issue_prefetches"]

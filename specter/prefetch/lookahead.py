@@ -63,14 +63,11 @@ class PatternAnalyzer:
         return {layer: [(e, c) for e, c in zip(es, cs) if c > 0]
                 for layer, (es, cs) in enumerate(zip(experts.tolist(), values.tolist()))}
 
-    def ranking(self) -> dict[int, list[int]]:
-        """Layer -> every expert the draft picked in this window, most frequent first (one D2H copy)."""
-        experts, _ = to_host(self._packed())
-        return {layer: [e for e in row if e >= 0] for layer, row in enumerate(experts)}
-
-    def plan(self, m: int) -> dict[int, list[int]]:
-        """Layer -> the top-m experts by count (only experts with a non-zero count)."""
-        return {layer: ranked[:m] for layer, ranked in self.ranking().items()}
+    def ranking(self) -> dict[int, list[tuple[int, int]]]:
+        """Layer -> [(expert, count)] of every expert the draft picked in this window, most frequent first
+        (one D2H copy, now)."""
+        experts, counts = to_host(self._packed())  # [L, E] each
+        return _rows(experts, counts)
 
 
 class Ranking:
@@ -79,14 +76,23 @@ class Ranking:
     def __init__(self, read: HostRead) -> None:
         self._read, self._rows = read, None
 
+    @classmethod
+    def of(cls, experts: dict[int, list[int]]) -> Ranking:
+        """A ranking known on the host: layer -> experts, most frequent first (counts unknown: 0)."""
+        ranking = cls(None)
+        ranking._rows = {layer: [(e, 0) for e in row] for layer, row in experts.items()}
+        return ranking
+
     def rows(self) -> dict[int, list[tuple[int, int]]]:
         if self._rows is None:
-            experts, counts = self._read.result().tolist()  # [L, E] each
-            self._rows = {layer: [(e, c) for e, c in zip(es, cs) if e >= 0]
-                          for layer, (es, cs) in enumerate(zip(experts, counts))}
+            self._rows = _rows(*self._read.result().tolist())  # [L, E] each
         return self._rows
 
-    def get(self, layer: int, default=()) -> list[int]:
-        """The experts of one layer (the verification plan's interface; waits for the copy once)."""
-        row = self.rows().get(layer)
-        return [e for e, _ in row] if row is not None else list(default)
+    def experts(self, layer: int) -> list[int]:
+        """The experts of one layer, most frequent first (waits for the copy once)."""
+        return [e for e, _ in self.rows().get(layer, ())]
+
+
+def _rows(experts: list[list[int]], counts: list[list[int]]) -> dict[int, list[tuple[int, int]]]:
+    """Layer -> [(expert, count)] from sorted [L, E] experts (-1: never picked) and counts."""
+    return {layer: [(e, c) for e, c in zip(es, cs) if e >= 0] for layer, (es, cs) in enumerate(zip(experts, counts))}

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from specter.offload.expert_cache import ExpertCache
 from specter.prefetch.lookahead import PatternAnalyzer, Ranking
 
+Rows = dict[int, list[tuple[int, int]]]  # layer -> [(expert, count)], most routed first
+
 COLD_START, PREFETCH_OVERLAP, FINAL_CLEANUP = "cold_start", "prefetch_overlap", "final_cleanup"
+DEFAULT_H2D_BYTES_PER_MS = 25e6  # 25 GB/s until measured
 
 
 @dataclass
@@ -16,7 +19,7 @@ class CostModel:
     """Running averages (exponential, weight `alpha` on the newest) of draft ms/token and H2D bytes/ms."""
 
     draft_ms_per_token: float = 5.0
-    h2d_bytes_per_ms: float = 25e6  # 25 GB/s until measured
+    h2d_bytes_per_ms: float = DEFAULT_H2D_BYTES_PER_MS
     alpha: float = 0.5
     frozen: bool = False  # tests: keep the given numbers
 
@@ -50,6 +53,24 @@ class WindowTrace:
                 "early_batch": self.early_batch}
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """What one draft window hands to its verification: the experts prefetched for it and the draft's
+    routing of the whole window (verification loads a layer's ranked experts after its resident wave,
+    most routed first, and a load ahead keeps them)."""
+
+    prefetched: dict  # layer -> frozenset of experts prefetched (or kept resident) for this window
+    ranking: Ranking | None = None  # None: verification loads on demand only
+
+    def load_order(self, layer: int) -> list[int]:
+        """The experts verification loads for `layer` before reading its router, most routed first."""
+        return self.ranking.experts(layer) if self.ranking is not None else []
+
+    @classmethod
+    def of(cls, trace: WindowTrace, ranking: Ranking | None = None) -> WindowPlan:
+        return cls({layer: frozenset(experts) for layer, experts in trace.planned.items()}, ranking)
+
+
 class PrefetchPlanner:
     """Turns the draft's routing into H2D batches that overlap with the remaining draft compute.
 
@@ -64,17 +85,21 @@ class PrefetchPlanner:
     need: each victim is an expert the draft has not routed to yet, and the later the batch, the less
     likely the remaining draft steps route to it. Once every slot holds a
     planned expert or the draft is over, Final Cleanup: no more planning. At the end of the window the
-    counters hold the draft's routing of the whole window: it becomes the cache's verification plan
-    (experts that verification loads, after its resident wave, before reading its router), and the
-    counters are cleared.
+    counters hold the draft's routing of the whole window: `end_window` returns it, with the window's
+    prefetches, as the WindowPlan the engine hands to verification (the experts it loads after its
+    resident wave, before reading its router), and the counters are cleared.
     """
 
-    def __init__(self, analyzer: PatternAnalyzer, cache: ExpertCache, cost: CostModel | None = None,
-                 initial_chunk: int = 1, clock=time.perf_counter, prefetch_chunk: int = 1) -> None:
+    def __init__(self, analyzer: PatternAnalyzer, cache: ExpertCache, *, initial_chunk: int, prefetch_chunk: int,
+                 cost: CostModel | None = None, clock=time.perf_counter) -> None:
         self.analyzer, self.cache, self.cost = analyzer, cache, cost or CostModel()
         self.initial_chunk, self.prefetch_chunk, self.clock = initial_chunk, prefetch_chunk, clock
         self.traces: list[WindowTrace] = []
         self.trace = WindowTrace(0)
+
+    def begin_request(self, cache: ExpertCache) -> None:
+        """A request starts on `cache`: no traces yet (the cost model carries over)."""
+        self.cache, self.traces = cache, []
 
     def begin_window(self, k: int) -> None:
         self.trace = WindowTrace(k)
@@ -91,16 +116,16 @@ class PrefetchPlanner:
                 self._early_batch()
             self.pending = (drafted, self.analyzer.read_later(self.cache.streams))
 
-    def end_window(self) -> WindowTrace:
-        """The window's routing becomes the verification plan (read lazily); clear the counters."""
+    def end_window(self) -> WindowPlan:
+        """The window's plan: its prefetches and its routing (read lazily) for verification; the counters
+        are cleared."""
         if self.pending is not None:
             self._checkpoint(*self.pending)
         self.phase = FINAL_CLEANUP
-        self.cache.verify_plan = self.analyzer.read_later(self.cache.streams)
+        ranking = self.analyzer.read_later(self.cache.streams)
         self.analyzer.elb.clear()
-        self.cache.predicted, self.cache.window_plan = {}, {}
         self.traces.append(self.trace)
-        return self.trace
+        return WindowPlan.of(self.trace, ranking)
 
     def _checkpoint(self, drafted: int, ranking: Ranking) -> None:
         self.pending = None
@@ -132,33 +157,46 @@ class PrefetchPlanner:
         hidden_ms = tokens * self.cost.draft_ms_per_token
         return max(1, math.ceil(hidden_ms * self.cost.h2d_bytes_per_ms / self.cache.store.expert_bytes))
 
-    def _issue(self, rows: dict[int, list[tuple[int, int]]], capacity: int) -> int:
-        """Prefetch up to `capacity` planned experts that are not resident; returns how many were issued.
+    def _issue(self, rows: Rows, capacity: int) -> int:
+        """Prefetch up to `capacity` planned experts, most routed first (`issue_prefetches`), keeping every
+        expert the window's draft has routed to so far; returns how many were issued."""
+        predicted = {layer: frozenset(e for e, _ in row) for layer, row in rows.items()}
+        return issue_prefetches(self.cache, rows, self.trace.planned, predicted, capacity)
 
-        The plan is each layer's top-M; its non-resident experts go most frequently routed first.
-        Planned experts already resident are touched first (most recently used), so the LRU victims of
-        the new copies are experts outside the plan; and an expert prefetched earlier in this window is
-        never evicted by a later batch of the same window (its slot is kept until verification).
-        """
-        self.cache.predicted = {layer: {e for e, _ in row} for layer, row in rows.items()}
-        self.cache.window_plan = self.trace.planned
-        wanted = []
-        for layer, row in rows.items():
-            for expert, count in row[: self.cache.slots_per_layer]:
-                if self.cache.slot_of(layer, expert) is None:
-                    wanted.append((-count, layer, expert))
-                else:
-                    self.cache.touch(layer, expert)
-                    self.trace.planned.setdefault(layer, set()).add(expert)
-        issued = 0
-        for _, layer, expert in sorted(wanted)[:capacity]:
-            if self.cache.prefetch(layer, expert):
-                self.trace.planned.setdefault(layer, set()).add(expert)
-                issued += 1
-        return issued
 
-    def reset(self) -> None:
-        self.traces = []
+def issue_prefetches(cache: ExpertCache, rows: Rows, planned: dict, predicted: dict | None = None,
+                     capacity: int | None = None, most_routed_first: bool = True) -> int:
+    """Prefetch each layer's top-M ranked experts (M = slots per layer) that are not resident; returns how
+    many copies started.
+
+    The plan's resident experts are touched first (most recently used), so the victims of the new
+    copies lie outside the plan. `planned` (layer -> set, updated) holds what this window has planned:
+    a copy never evicts it, nor an expert of `predicted` (layer -> experts). most_routed_first: every
+    resident planned expert joins `planned` before any copy, and the copies go most routed first over
+    all layers, at most `capacity` of them; otherwise layer by layer in rank order, each expert joining
+    `planned` when its turn comes.
+    """
+    predicted = predicted or {}
+    top = {layer: row[: cache.slots_per_layer] for layer, row in rows.items()}
+    for layer, row in top.items():
+        for expert, _ in row:
+            cache.touch(layer, expert)
+    candidates = [(-count, layer, expert) for layer, row in top.items() for expert, count in row]
+    if most_routed_first:
+        candidates.sort(key=lambda c: (cache.slot_of(c[1], c[2]) is None, *c))  # resident first, then by count
+    issued = tried = 0
+    for _, layer, expert in candidates:
+        if cache.slot_of(layer, expert) is not None:
+            planned.setdefault(layer, set()).add(expert)
+            continue
+        if capacity is not None and tried == capacity:
+            continue
+        tried += 1
+        keep = frozenset(planned.get(layer, ()))
+        if cache.prefetch(layer, expert, keep, predicted.get(layer, frozenset())):
+            planned.setdefault(layer, set()).add(expert)
+            issued += 1
+    return issued
 
 
 def early_read_layer(fraction: float, num_layers: int) -> int | None:
@@ -168,9 +206,13 @@ def early_read_layer(fraction: float, num_layers: int) -> int | None:
 
 
 class NoPrefetch:
-    """The planner when prefetch is off or nothing is offloaded: on-demand loading only."""
+    """The planner when prefetch is off or nothing is offloaded: on-demand loading only, no plan."""
 
-    traces: list = []
+    def __init__(self) -> None:
+        self.traces: list[WindowTrace] = []  # always empty
+
+    def begin_request(self, cache: ExpertCache | None) -> None:
+        pass
 
     def begin_window(self, k: int) -> None:
         pass
@@ -178,8 +220,5 @@ class NoPrefetch:
     def after_draft_token(self, drafted: int) -> None:
         pass
 
-    def end_window(self) -> WindowTrace | None:
+    def end_window(self) -> None:
         return None
-
-    def reset(self) -> None:
-        pass

@@ -1,66 +1,11 @@
-"""GPTQ INT4 quantization (Frantar et al. 2022) of the routed experts into the packed layout of int4.py.
+"""GPTQ INT4 quantization (Frantar et al. 2022) of the routed experts: the draft's calibrated quantizer.
 
-Algorithm (one linear W [out, in], or a batch of them [..., out, in] with their Hessians [..., in, in]):
-
-1. Hessian H = 2 X^T X / n of the linear's calibration inputs X [n, in], accumulated incrementally as a
-   running mean (`HessianAccumulator.add`, GPTQ's `add_batch`) in float32.
-2. Dead columns (diag(H) == 0: an input feature that was always zero) get H[i, i] = 1 and W[:, i] = 0.
-3. Dampening: H += percdamp * mean(diag(H)) * I (percdamp 0.01). If the Cholesky factorisation still
-   fails, the dampening is multiplied by 10 (up to 4 times) before giving up.
-4. U = upper Cholesky factor of H^-1 (cholesky -> cholesky_inverse -> cholesky(upper=True)).
-5. Columns left to right (desc_act=False: no reordering), in blocks of `blocksize` (128) with lazy
-   batch updates: on entering group g (every `group_size` columns) the group's symmetric scale
-   2 * max|w| / 15 per output row is computed from the *current*, error-updated weights of that group
-   (GPTQ's `find_params` at `(i1 + i) % groupsize == 0`); the scale is rounded to the storage dtype
-   first and the codes are computed with that rounded scale, so the error fed back is exactly the
-   error of the weights the draft will see. Column i: q = clamp(round(w / s) + 8, 0, 15),
-   err = (w - (q - 8) s) / U[i, i], W[:, i:] -= err U[i, i:] inside the block, and after the block
-   W[:, end:] -= Err U[block, end:].
-6. The codes and scales are packed with `int4.pack_codes` into qweight [..., in/8, out] and scales
-   [..., in/g, out], so `int4.dequantize` gives (q - 8) * scale, as for RTN.
-
-Relative to the original implementation (IST-DASLab `fasterquant`, sym, act_order=False): with
-group_size == blocksize == 128 the result is bit-identical (tests/test_gptq.py compares against a port).
-Deliberate differences: a group that starts inside a block takes its scale from the current, updated
-weights (the original reads the block-stale W there; never the case with 128/128); an all-zero group
-gets the storage dtype's smallest normal as scale instead of 2/15 (both dequantize to 0); the scale is
-rounded to the storage dtype before the codes are computed (a no-op for float32); a failing Cholesky
-retries with more dampening instead of raising.
-
-`gptq_quantize` runs the column loop once for a whole batch of experts (batched tensor ops), so a layer
-with 64 experts costs one loop of `in` steps, not 64.
-
-Expert calibration (`quantize_experts_gptq`): forward hooks on the HybridExperts modules (target mode,
-full-precision experts) see every layer's (hidden [T, H], top_k_index [T, k]). For each expert e the
-hidden rows routed to it feed the gate_up Hessian [H, H]; act(gate) * up of those rows (act = the
-module's act_fn, SiLU in all four architectures), computed with the FP expert weights, feeds the down
-Hessian [I, I]. Inputs come from the FP model (every layer sees
-the target's activations), not from already quantized earlier layers. Routed experts are quantized with
-GPTQ; experts that calibration never routed a token to keep RTN (counted in the report). The results
-are installed with `set_draft_weights` and `model.quantizer` becomes "gptq".
-
-Memory, layer by layer: only Hessians are kept, never activations. One MoE layer needs
-E * (H^2 + I^2) * 4 bytes of float32 Hessians (tiny: 2.6 MB; DeepSeek-V2-Lite: 64 * (2048^2 + 1408^2)
-* 4 = 1.6 GB; Mixtral: 8 * (4096^2 + 14336^2) * 4 = 7.1 GB), allocated lazily per routed expert. The
-layers are processed in passes of `layers_per_pass` layers (default: as many as fit in
-`hessian_budget_bytes`, at least one): each pass runs the calibration prompts through the model, hooks
-only that pass's layers, stops each forward after the pass's last layer (nothing later is needed),
-quantizes the pass's layers and frees their Hessians before the next pass. A full-size model therefore
-needs the model itself plus one layer's Hessians (and one layer's batched GPTQ work tensors), at the
-cost of one calibration forward per pass; `expert_batch` caps how many experts one batched GPTQ call
-takes. The FP expert weights are read where they live: on the module, or in the host store of a model
-loaded with `experts_on_host=True` / offloaded (`target_layer_weights`); such a model calibrates
-through its offload runtime if one is attached, else through a temporary executor that copies each
-routed expert to the device when it is needed. The GPTQ math runs on the activations' device.
-
-Alternative backend: if the `gptqmodel` package is importable (7.6.0 installs beside torch 2.13; 7.7
-needs newer torch/transformers), a checkpoint can be quantized with `QuantizeConfig(bits=4,
-group_size=128, sym=True, desc_act=False)`, `GPTQModel.load(path, qc)`, `.quantize(calibration)`,
-`.save(out)`; its expert `qweight [in/8, out]` int32 and `scales [in/g, out]` match this layout (its
-`qzeros` are 0x77777777 for symmetric 4-bit, i.e. zero point 8 stored minus one, and `g_idx` is
-i // 128 with desc_act=False), so they could be stacked per layer and passed to `set_draft_weights`.
-That path is not implemented, used or tested here (mapping its per-expert module names onto the stacked
-transformers-5 expert tensors is unverified); the built-in implementation below is the tested one.
+It writes the packed layout of int4.py (symmetric, group 128: qweight [..., in/8, out] int32, scales
+[..., in/g, out]), the same format as round-to-nearest, so `set_draft_weights` installs either.
+`gptq_quantize` quantizes a stack of linears in one batched column loop; `quantize_experts_gptq` gathers
+per-expert Hessians from calibration prompts through forward hooks, a pass of layers at a time, and keeps
+RTN for experts that no calibration token reached. The algorithm and the memory plan are described in
+docs/design.md, "INT4 draft".
 """
 from __future__ import annotations
 
@@ -319,7 +264,7 @@ def quantize_experts_gptq(
 
     Installs the INT4 draft weights with `set_draft_weights`, sets `model.quantizer = "gptq"` and returns
     a report: per-layer counts of GPTQ and RTN-fallback (never routed) experts, calibration tokens, passes.
-    See the module docstring for the algorithm and the layer-by-layer memory plan.
+    docs/design.md ("INT4 draft") gives the algorithm and the layer-by-layer memory plan.
     """
     import transformers
     from tqdm import tqdm

@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from statistics import mean
 from typing import NamedTuple
 
 import torch
 
+from specter.defaults import config_default
 from specter.kernels.reference import combine_rows, expert_mlp
 from specter.kernels.slot_moe import (
     TRITON_AVAILABLE,
@@ -15,9 +20,19 @@ from specter.kernels.slot_moe import (
     slot_moe_rows,
     slot_moe_rows_reference,
 )
+from specter.offload.eviction import RoutingCounts
 from specter.offload.expert_cache import ExpertCache
 
-VERIFY_WORKSPACE = MoEWorkspace()  # intermediate buffers of the slot kernel, shared by all layers
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How verification streams experts (SpecterConfig's expert_wise, verify_wave, load_ahead_layers and
+    copy_streams; the defaults are SpecterConfig's)."""
+
+    expert_wise: bool = config_default("expert_wise")
+    wave: int = config_default("verify_wave")
+    ahead_layers: int = config_default("load_ahead_layers")
+    copy_streams: int = config_default("copy_streams")
 
 
 class LayerPass(NamedTuple):
@@ -35,8 +50,8 @@ class ResidencyManager:
 
     Per layer, without waiting for the router: the resident experts run first (those already loaded
     before those still arriving; the slot kernel computes only the pairs routed to them); their slots
-    then take, wave after wave, the experts the draft routed to in this window (the verification plan,
-    usually almost all of what the target needs). A wave is at most half the slots, so the slots of one
+    then take, wave after wave, the experts the draft routed to in this window (the window's plan, which
+    the engine hands over with `verifying`; usually almost all of what the target needs). A wave is at most half the slots, so the slots of one
     wave take new copies while the next computes. Only then does the host read the router's top-k
     (its copy was started before the waves were enqueued, so the GPU and the copy stream stay busy
     meanwhile): the router is authoritative, and any routed expert that
@@ -44,22 +59,32 @@ class ResidencyManager:
     kernel on CUDA (tokens gathered per expert into dense tiles), the torch reference on CPU; the compute
     stream waits on ready events, never the host. Expert outputs fill (token, slot) rows that are
     combined with the routing weights at the end, so order does not change the result.
+
+    Built per system and call with that system's VerifyOptions and kernel workspace; it counts the
+    target's routing into `routing`, which the cache's popularity policy reads.
     """
 
-    def __init__(self, cache: ExpertCache) -> None:
-        self.cache = cache
-        self.expert_wise, self.wave, self.ahead_layers = True, 0, 2  # set per system by offload_experts
+    def __init__(self, cache: ExpertCache, routing: RoutingCounts, options: VerifyOptions,
+                 workspace: MoEWorkspace) -> None:
+        self.cache, self.routing, self.options, self.workspace = cache, routing, options, workspace
         self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
-        self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last reset
+        self.plan = None  # the WindowPlan of the window being verified (None: load on demand)
+        self.reset()
+
+    def reset(self) -> None:
+        self.demand: dict[int, set] = {}  # layer -> experts the target routed to since the last take_demand
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
         self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
         self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
 
-    @property
-    def routing_counts(self) -> dict[int, list[int]]:
-        """layer -> tokens the target routed to each expert since the cache's reset (the cache keeps them:
-        the popularity eviction policy reads them)."""
-        return self.cache.routing_counts
+    @contextmanager
+    def verifying(self, plan) -> Iterator[None]:
+        """Verify one window with `plan` (prefetch.planner.WindowPlan, or None: load on demand) inside the block."""
+        self.plan = plan
+        try:
+            yield
+        finally:
+            self.plan = None
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -70,7 +95,7 @@ class ResidencyManager:
 
     def _verify_layer(self, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
-        if self.expert_wise:
+        if self.options.expert_wise:
             self._expert_wise(module, hidden, top_k_index, rows)  # rows: [T*k, H]
         else:
             routing = top_k_index.tolist()  # [T][k], the one host read of this layer
@@ -81,10 +106,7 @@ class ResidencyManager:
     def _observe(self, module, routing: list[list[int]]) -> list[int]:
         """Record the router's choice of one layer (host lists [T][k]); returns the routed experts, ascending."""
         layer = module.moe_layer
-        counts = self.routing_counts.setdefault(layer, [0] * module.num_experts)
-        for token in routing:
-            for expert in token:
-                counts[expert] += 1
+        self.routing.add(layer, module.num_experts, routing)
         routed = sorted({e for token in routing for e in token})
         self.demand.setdefault(layer, set()).update(routed)
         self.working_sets.append(len(routed))
@@ -94,11 +116,12 @@ class ResidencyManager:
         layer, cache = module.moe_layer, self.cache
         routing = cache.streams.read_later(top_k_index)  # [T, k], in flight while the waves are enqueued
         fused = self.slot_kernel if self.slot_kernel is not None else hidden.is_cuda and TRITON_AVAILABLE
-        alignment = align_routing(top_k_index, module.num_experts, VERIFY_WORKSPACE) if fused else None
+        alignment = align_routing(top_k_index, module.num_experts, self.workspace) if fused else None
         step = LayerPass(module, hidden, top_k_index, rows, alignment)
         prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead, maybe still in flight
-        planned = [e for e in cache.verify_plan.get(layer, ()) if e not in resident]  # most routed first
+        plan = self.plan.load_order(layer) if self.plan is not None else []
+        planned = [e for e in plan if e not in resident]  # most routed first
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
         self._stream(step, ready_first, deque(planned), ready=len(resident.keys() - ahead))
         waited = time.perf_counter()
@@ -109,15 +132,15 @@ class ResidencyManager:
         computed = resident.keys() | set(planned)
         unplanned = deque(e for e in routed if e not in computed)
         self._stream(step, [], unplanned)
-        for ahead in range(layer + 1, layer + 1 + self.ahead_layers):
+        for ahead in range(layer + 1, layer + 1 + self.options.ahead_layers):
             self._load_ahead(ahead)
 
     def _load_ahead(self, layer: int) -> None:
         """Start a next layer's planned loads into its slots that hold nothing it plans to use, so the
         copy stream goes on from this layer's loads instead of idling until the next layer's first wave."""
-        if layer >= len(self.cache.layers) or not self.cache.verify_plan:
+        if layer >= len(self.cache.layers) or self.plan is None:
             return
-        plan = self.cache.verify_plan.get(layer, ())
+        plan = self.plan.load_order(layer)
         keep = frozenset(plan)
         for expert in plan:
             if self.cache.slot_of(layer, expert) is None:
@@ -134,7 +157,7 @@ class ResidencyManager:
         layer's worth of slots. A wave never mixes loaded experts with ones still in flight: the copies
         into the slots it frees would otherwise wait for the slowest of its copies.
         """
-        layer, size = step.module.moe_layer, self.wave or max(1, self.cache.slots_per_layer // 2)
+        layer, size = step.module.moe_layer, self.options.wave or max(1, self.cache.slots_per_layer // 2)
         queue = deque(current)
         queue.extend(self._load_wave(layer, pending))
         while queue:
@@ -166,7 +189,7 @@ class ResidencyManager:
         row_of_expert = torch.tensor(row_map, dtype=torch.long, pin_memory=hidden.is_cuda)  # pinned: async copy
         run = slot_moe_rows if step.alignment is not None else slot_moe_rows_reference
         run(hidden, step.top_k_index, cache.pool, row_of_expert.to(hidden.device, non_blocking=True),
-            module.intermediate_dim, step.rows, module.act_fn, workspace=VERIFY_WORKSPACE, alignment=step.alignment)
+            module.intermediate_dim, step.rows, module.act_fn, workspace=self.workspace, alignment=step.alignment)
         cache.release_all(layer, [slot for _, slot in wave])
 
     def _token_wise(self, module, hidden: torch.Tensor, routing: list[list[int]], rows) -> None:
@@ -180,12 +203,15 @@ class ResidencyManager:
             rows[pair] = expert_mlp(token, gate_up, down, module.act_fn)[0].float()
             self.cache.release(layer, slot)
 
-    def reset(self) -> None:
-        self.demand, self.working_sets, self.loaded_ahead = {}, [], {}
-        self.host_ms = self.host_wait_ms = 0.0
-
     def take_demand(self) -> dict[int, set]:
-        """The target's routing since the last call (one verify window), cleared with the window's plan."""
+        """The target's routing since the last call (one verify window): layer -> experts."""
         demand, self.demand = self.demand, {}
-        self.cache.verify_plan = {}
         return demand
+
+    def stats(self) -> dict:
+        sets = self.working_sets
+        return {
+            "working_set_mean": mean(sets) if sets else float("nan"),
+            "verify_host_ms": self.host_ms,  # host time in the MoE layers of target passes
+            "verify_host_wait_ms": self.host_wait_ms,  # of it: waiting for routers' top-k
+        }

@@ -1,0 +1,40 @@
+"""The draft-graph cache: one static KV cache and captured step per batch shape, kept while it fits (CPU: no capture)."""
+import torch
+
+from specter.offload.draft_graph import DraftGraphCache
+from specter.prefetch.lookahead import ExpertLookaheadBuffer
+from tests.conftest import tiny_model
+
+
+def graphs() -> DraftGraphCache:
+    model = tiny_model("tiny")
+    return DraftGraphCache(model, ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device))
+
+
+def test_a_single_requests_cache_is_kept_while_requests_fit_and_grows():
+    cache = graphs()
+    first = cache.static_cache(None, 40, min_length=256)
+    assert first.max_cache_len == 256 and cache.static_cache(None, 256, min_length=256) is first
+    longer = cache.static_cache(None, 300, min_length=256)
+    assert longer is not first and longer.max_cache_len == 300
+    assert cache.static_cache(None, 100, min_length=256) is longer  # a shorter request fits the longer cache
+
+
+def test_a_batchs_cache_is_made_for_one_shape_and_lives_beside_the_single_one():
+    cache = graphs()
+    single = cache.static_cache(None, 40, min_length=256)
+    batch = cache.static_cache(4, 256)
+    assert cache.static_cache(4, 256) is batch and cache.static_cache(None, 40) is single
+    assert cache.static_cache(2, 256) is not batch  # another batch size
+    assert cache.static_cache(2, 512).max_cache_len == 512 and cache.static_cache(2, 256).max_cache_len == 256
+
+
+def test_capture_is_tried_once_per_cache_and_only_over_the_entrys_cache():
+    cache = graphs()
+    assert cache.status(None) == "off"
+    static = cache.static_cache(None, 40, min_length=64)
+    assert cache.capture(None, torch.zeros(1), 0) is None and cache.status(None) == "off"  # not its cache
+    assert cache.capture(None, static, 0) is None
+    assert cache.status(None) == "failed: no CUDA device" and cache.graph(None, static) is None
+    cache.static_cache(None, 100)  # a new cache: its graph is to be captured again
+    assert cache.status(None) == "off"
