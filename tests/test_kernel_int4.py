@@ -159,7 +159,7 @@ def test_zero_tokens_and_argument_checks():
     with pytest.raises(ValueError, match="shape mismatch"):
         K.fused_int4_moe(x, idx, w, down, gate_up)
     from transformers.activations import ACT2FN
-    assert all(K._is_silu(a) for a in (None, SILU, torch.nn.SiLU(), ACT2FN["silu"]))
+    assert all(K.is_silu(a) for a in (None, SILU, torch.nn.SiLU(), ACT2FN["silu"]))
     assert K.TRITON_AVAILABLE
 
 

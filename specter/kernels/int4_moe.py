@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specter.kernels.moe_align import Alignment, MoEWorkspace, _scratch, moe_align_block_size
+from specter.kernels.moe_align import Alignment, MoEWorkspace, scratch, moe_align_block_size
 from specter.quant.int4 import PACK, Int4Linear
 
 try:
@@ -120,7 +120,7 @@ if TRITON_AVAILABLE:
         tl.store(out_ptrs, acc * weight[:, None], mask=valid[:, None] & n_mask[None, :])
 
 
-def _is_silu(act: Callable | None) -> bool:
+def is_silu(act: Callable | None) -> bool:
     if act is None or act is torch.nn.functional.silu or isinstance(act, torch.nn.SiLU):
         return True
     return "silu" in type(act).__name__.lower()  # transformers' SiLUActivation
@@ -129,7 +129,7 @@ def _is_silu(act: Callable | None) -> bool:
 def _check(hidden, top_k_index, gate_up: Int4Linear, down: Int4Linear, act, cfg: KernelConfig) -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError("specter.kernels.int4_moe needs triton (pip install triton); use int4_moe_reference")
-    if not _is_silu(act):
+    if not is_silu(act):
         raise ValueError(f"fused_int4_moe implements SiLU-gated experts only, got act={act!r}")
     h = hidden.shape[-1]
     e, inter = gate_up.qweight.shape[0], down.in_features
@@ -166,9 +166,9 @@ def _contiguous(packed: Int4Linear) -> Int4Linear:
 def _prepare(hidden, top_k_index, top_k_weights, gate_up, down, workspace, cfg) -> _Call:
     hidden = hidden.contiguous()  # [T, H]
     align = moe_align_block_size(top_k_index, gate_up.qweight.shape[0], cfg.block_m, workspace)
-    inter_buf = _scratch(workspace, "intermediate", (align.sorted_pair_ids.numel(), down.in_features),
+    inter_buf = scratch(workspace, "intermediate", (align.sorted_pair_ids.numel(), down.in_features),
                          hidden.dtype, hidden.device)  # [max_padded, I]
-    pair_out = _scratch(workspace, "pair_out", (top_k_index.numel(), hidden.shape[1]), torch.float32,
+    pair_out = scratch(workspace, "pair_out", (top_k_index.numel(), hidden.shape[1]), torch.float32,
                         hidden.device)  # [T*k, H]
     return _Call(hidden, top_k_weights.reshape(-1).contiguous(), _contiguous(gate_up), _contiguous(down),
                  align, inter_buf, pair_out, top_k_index.shape[1], cfg)

@@ -44,7 +44,7 @@ class MoEWorkspace:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-def _scratch(workspace: MoEWorkspace | None, name, shape, dtype, device) -> torch.Tensor:
+def scratch(workspace: MoEWorkspace | None, name, shape, dtype, device) -> torch.Tensor:
     if workspace is None:
         return torch.empty(shape, dtype=dtype, device=device)
     return workspace.get(name, shape, dtype, device)
@@ -105,7 +105,7 @@ def moe_align_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int,
     rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]  # [P]
     dest = padded_end[expert_of] - padded[expert_of] + rank  # [P] row in the padded layout
     blocks = max_blocks(num_pairs, num_experts, block_m)
-    sorted_ids = _scratch(workspace, "sorted_ids", (blocks * block_m,), torch.long, device)
+    sorted_ids = scratch(workspace, "sorted_ids", (blocks * block_m,), torch.long, device)
     sorted_ids.fill_(num_pairs).scatter_(0, dest, order)  # [max_padded]
     block_start = torch.arange(blocks, device=device) * block_m  # [max_blocks]
     expert_ids = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts - 1)
@@ -155,7 +155,7 @@ def moe_align_triton(top_k_index: torch.Tensor, num_experts: int, block_m: int,
     flat = top_k_index.reshape(-1)  # [P]
     num_pairs, device = flat.numel(), flat.device
     blocks = max_blocks(num_pairs, num_experts, block_m)
-    sorted_ids = _scratch(workspace, "sorted_ids", (blocks * block_m,), torch.long, device)
+    sorted_ids = scratch(workspace, "sorted_ids", (blocks * block_m,), torch.long, device)
     expert_ids = torch.empty(blocks, dtype=torch.long, device=device)
     padded = torch.empty(num_experts, dtype=torch.long, device=device)
     num_padded = torch.empty(1, dtype=torch.long, device=device)

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from specter.kernels.int4_moe import KernelConfig, MoEWorkspace, _is_silu, _scratch, moe_align_block_size
+from specter.kernels.int4_moe import KernelConfig, MoEWorkspace, is_silu, scratch, moe_align_block_size
 from specter.kernels.moe_align import Alignment
 from specter.kernels.reference import expert_mlp
 
@@ -21,12 +21,19 @@ except ImportError:  # the module still imports; slot_moe_rows raises RuntimeErr
 DEFAULT_CONFIG = KernelConfig(block_m=16, block_n=64, block_k=64)  # FP weights: no quantization group
 
 
-def slot_views(slot_buffer: torch.Tensor, slot: int, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views (gate_up [2I, H], down [H, I]) of one slot row [3*I*H] (same layout as HostExpertStore.split)."""
-    flat = slot_buffer[slot]
-    hidden = flat.numel() // (3 * intermediate)
+def row_views(rows: torch.Tensor, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert layout, defined here only: rows [..., 3*I*H] hold gate_up [2I, H] then down [H, I].
+    Returns views (gate_up [..., 2I, H], down [..., H, I]); host store rows and cache slots use it."""
+    lead, numel = rows.shape[:-1], rows.shape[-1]
+    hidden = numel // (3 * intermediate)
     split = 2 * intermediate * hidden
-    return flat[:split].view(2 * intermediate, hidden), flat[split:].view(hidden, intermediate)
+    return (rows[..., :split].view(*lead, 2 * intermediate, hidden),
+            rows[..., split:].view(*lead, hidden, intermediate))
+
+
+def slot_views(slot_buffer: torch.Tensor, slot: int, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views (gate_up [2I, H], down [H, I]) of one slot row of `slot_buffer` [S, 3*I*H]."""
+    return row_views(slot_buffer[slot], intermediate)
 
 
 if TRITON_AVAILABLE:
@@ -101,7 +108,7 @@ if TRITON_AVAILABLE:
 def _check(hidden, top_k_index, slot_buffer, slot_of_expert, intermediate, rows, act, cfg) -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError("specter.kernels.slot_moe needs triton (pip install triton); use slot_moe_rows_reference")
-    if not _is_silu(act):
+    if not is_silu(act):
         raise ValueError(f"slot_moe_rows implements SiLU-gated experts only, got act={act!r}")
     if hidden.dim() != 2 or top_k_index.dim() != 2 or slot_of_expert.dim() != 1 or slot_buffer.dim() != 2:
         raise ValueError("expected hidden [T, H], top_k_index [T, k], slot_of_expert [E], slot_buffer [S, 3*I*H]")
@@ -158,7 +165,7 @@ def slot_moe_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: 
         raise ValueError(f"alignment has block_m={alignment.block_m}, the kernel config {cfg.block_m}")
     else:
         align, num_padded = alignment, alignment.num_padded
-    inter_buf = _scratch(workspace, "slot_intermediate", (align.sorted_pair_ids.numel(), intermediate),
+    inter_buf = scratch(workspace, "slot_intermediate", (align.sorted_pair_ids.numel(), intermediate),
                          hidden.dtype, hidden.device)  # [max_padded, I]
     num_pairs, h = rows.shape
     grid_m = align.expert_ids.numel()

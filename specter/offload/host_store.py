@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from specter.kernels.slot_moe import row_views
 from specter.offload.streams import pin
 
 
@@ -39,10 +40,9 @@ class HostExpertStore:
         """Copy a layer's experts in: gate_up [E, 2I, H], down [E, H, I] (any device)."""
         if self.buffers[layer] is None:
             self.buffers[layer] = pin(torch.empty(self.num_experts, self.numel, dtype=self.dtype), self.compute_device)
-        rows = self.buffers[layer]
-        split = 2 * self.intermediate * self.hidden
-        rows[:, :split].copy_(gate_up.reshape(self.num_experts, split))
-        rows[:, split:].copy_(down.reshape(self.num_experts, -1))
+        gate_up_rows, down_rows = row_views(self.buffers[layer], self.intermediate)  # [E, 2I, H], [E, H, I]
+        gate_up_rows.copy_(gate_up)
+        down_rows.copy_(down)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Expert's flat buffer [3*I*H] (a view into the store)."""
@@ -50,12 +50,8 @@ class HostExpertStore:
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (gate_up [2I, H], down [H, I]) of one flat expert buffer (host row or cache slot)."""
-        split = 2 * self.intermediate * self.hidden
-        return flat[:split].view(2 * self.intermediate, self.hidden), flat[split:].view(self.hidden, self.intermediate)
+        return row_views(flat, self.intermediate)
 
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (gate_up [E, 2I, H], down [E, H, I]) of a whole layer."""
-        split = 2 * self.intermediate * self.hidden
-        rows = self.buffers[layer]
-        return (rows[:, :split].view(self.num_experts, 2 * self.intermediate, self.hidden),
-                rows[:, split:].view(self.num_experts, self.hidden, self.intermediate))
+        return row_views(self.buffers[layer], self.intermediate)
