@@ -4,7 +4,7 @@
     python scripts/bench_offload.py --models dsv2 --k 8 --quick --variants spare_rows=0 initial_chunk=2 --out DIR
 
 Per model it builds full-size seeded weights (`--weights synthetic`, the default, or `calibrated`) in
-bf16 (`--dtype float16` on request), cuts the built-in prompts to 16 tokens, and decodes each prompt with:
+load_model's default dtype (bf16; calibrated weights fp16) or `--dtype`, cuts the built-in prompts to 16 tokens, and decodes each prompt with:
 target-only with every expert resident (the token reference); target-only on demand through the mem
 preset's slots; Specter without prefetch; Specter; one Specter per `--variants` entry (SpecterConfig
 options, e.g. `eviction=popularity,initial_chunk=2`); Specter with an eager draft. `--quick` keeps only the
@@ -139,14 +139,14 @@ def host_profile(system, prompt: torch.Tensor, new_tokens: int, path: Path, top:
 def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
                 plan_only: bool = False, initial_chunk: int | None = None, variants: tuple = (),
                 quick: bool = False, profile_to: Path | None = None, weights: str = "synthetic",
-                dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+                dtype: torch.dtype | None = None) -> list[dict]:
     t0 = time.time()
     model = specter.load_model(name, weights=weights, device="cuda", dtype=dtype)
     spec = model.spec
     slots, ks = spec.mem_presets[mem], ks or [spec.default_k]
     k = ks[0]
     prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:num_prompts]]
-    print(f"\n== {name} ({weights} weights, {str(dtype).removeprefix('torch.')}): built in {time.time() - t0:.0f} s; "
+    print(f"\n== {name} ({weights} weights, {str(model.dtype).removeprefix('torch.')}): built in {time.time() - t0:.0f} s; "
           f"K={k}, {slots} resident experts/layer ({mem}), "
           f"{num_prompts} prompts x {new_tokens} tokens", flush=True)
     resident = run(TargetOnly(model), prompts, new_tokens)
@@ -244,8 +244,9 @@ def main() -> None:
                         help="one more Specter generate() under cProfile, written to OUT/host_profile_<model>.txt")
     parser.add_argument("--weights", choices=("synthetic", "calibrated"), default="synthetic",
                         help="seeded random weights, or calibrated ones (real routing locality and acceptance)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
-                        help="bfloat16: what the real checkpoints store (the harness's default on CUDA)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
+                        help="default: load_model's (bfloat16, what the real checkpoints store; calibrated "
+                             "weights float16)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -255,7 +256,7 @@ def main() -> None:
         model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only,
                                  args.initial_chunk, args.variants, args.quick,
                                  args.out if args.host_profile else None, args.weights,
-                                 getattr(torch, args.dtype))
+                                 args.dtype and getattr(torch, args.dtype))
         print_table(model_rows)
         rows += model_rows
     args.out.mkdir(parents=True, exist_ok=True)

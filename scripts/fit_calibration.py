@@ -11,8 +11,11 @@
 3. Check: the fitted build's target routing is recorded and its curves are compared with the real row.
 
 Prints the fitted RoutingProfile of each model (paste into specter/models/registry.py) and a table.
+With --check-only nothing is fitted: the registry's committed profile is built and measured (curves,
+and with --check-dtype acceptance and agreement).
 
     python scripts/fit_calibration.py --models tiny-mixtral dsv2 --layers 4
+    python scripts/fit_calibration.py --models dsv2 qwen --layers 0 --device cuda --check-only --check-dtype bfloat16
 """
 from __future__ import annotations
 
@@ -207,6 +210,23 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
         "max_error": round(largest, 3), "mean_error": round(mean, 3), "min_distinct_per_64": distinct}
 
 
+def measure_committed(name: str, layers: int | None, per_dataset: int, seed: int, device: str,
+                      dtype: torch.dtype) -> dict:
+    """The registry's committed profile of `name`, built as is: its curves against the real row."""
+    spec = get_spec(name)
+    target = {p: v for p, v in reference_curves(REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])).items()
+              if p in FIT_POINTS}
+    model, _, walks, curves = probe_build(spec, layers, spec.routing_profile, per_dataset, seed, device, dtype)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    largest, mean = calibration_error(curves, target)
+    return {"model": spec.name, "layers": layers, "profile": spec.routing_profile,
+            "measured": {f"{p}@{r:g}": round(v, 3) for (p, r), v in curves.items()},
+            "max_error": round(largest, 3), "mean_error": round(mean, 3),
+            "min_distinct_per_64": min(len(set(w[:64])) for w in walks)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny-mixtral", "dsv2", "qwen", "phi", "mixtral"])
@@ -218,6 +238,8 @@ def main(argv=None) -> None:
                              "Specter's acceptance and agreement with the greedy target there")
     parser.add_argument("--direct", type=int, default=0,
                         help="then refine the factors on this many CPU builds (tiny models: seconds each)")
+    parser.add_argument("--check-only", action="store_true",
+                        help="fit nothing: measure the registry's committed profile (and --check-dtype)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     parser.add_argument("--seed", type=int, default=0)
@@ -231,8 +253,11 @@ def main(argv=None) -> None:
         default = 2 if spec.name in ("phi", "mixtral") else 4
         layers = None if spec.is_tiny or args.layers == 0 else (args.layers or default)
         scale = args.embed_scale or (1.0 if spec.is_tiny else FULL_EMBED_SCALE)
-        result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
-                           args.direct)
+        if args.check_only:
+            result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype))
+        else:
+            result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
+                               args.direct)
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device)

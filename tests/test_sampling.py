@@ -62,10 +62,10 @@ def test_engine_sampling_matches_target_marginal():
     model, temperature, trials = tiny_model("tiny-mixtral"), 0.5, 1500
     ids = prompt("Q:")
     with torch.inference_mode():
-        p0 = logits_to_probs(model.forward(ids, DynamicCache(config=model.hf.config))[0, -1], temperature)
+        p0 = logits_to_probs(model.forward(ids, DynamicCache(config=model.hf.config))[0, -1], temperature, top_p=1.0)
         firsts = torch.arange(p0.numel())
         batch = torch.cat([ids.expand(len(firsts), -1), firsts.view(-1, 1)], dim=1)  # [V, T+1]
-        p1 = logits_to_probs(model.forward(batch, DynamicCache(config=model.hf.config))[:, -1], temperature)
+        p1 = logits_to_probs(model.forward(batch, DynamicCache(config=model.hf.config))[:, -1], temperature, top_p=1.0)
     marginal = (p0.view(-1, 1) * p1).sum(0)  # [V]
     engine = specter.SpecterEngine(model, specter.SpecterConfig(k=2, temperature=temperature))
     seconds = []

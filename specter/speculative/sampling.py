@@ -6,7 +6,7 @@ import torch
 from specter.offload.timeline import to_host
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Softmax of logits [..., V] / temperature in float32, with an optional nucleus (top-p) filter."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
