@@ -40,8 +40,8 @@ class TargetOnly:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
         """New tokens of a [1, T] prompt; of each request for a batch (a list of prompts)."""
         batch = is_batch(input_ids)
-        prompts = check_batch(input_ids, max_new_tokens) if batch else None
-        input_ids = None if batch else check_prompt(input_ids, max_new_tokens)
+        prompts = check_batch(input_ids, max_new_tokens, self.model.vocab_size) if batch else None
+        input_ids = None if batch else check_prompt(input_ids, max_new_tokens, self.model.vocab_size)
         config = self.offload_config
         offload = nullcontext() if config is None else serving(self.model, config, self.verify_workspace)
         with offload as session:

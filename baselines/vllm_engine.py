@@ -168,7 +168,7 @@ class VLLMBaseline:
         return directory
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
-        ids = check_prompt(input_ids, max_new_tokens)[0].tolist()
+        ids = check_prompt(input_ids, max_new_tokens, self.model.vocab_size)[0].tolist()
         ok, reason = self.available()
         if not ok:
             raise SpecterError(f"the vLLM baseline cannot run here: {reason}")

@@ -27,6 +27,10 @@ def run_batch(cfg, out_dir, open_writer):
     tags = {"k": config.k, "prefix_tokens": cfg.prefix_tokens}
     runnable = usable_systems(systems, writer, tags)
     sizes = [int(b) for b in cfg.experiment.batch_sizes]
+    if cfg.num_prompts < max(sizes):
+        print(f"warning: num_prompts={cfg.num_prompts} is below the largest batch size {max(sizes)}: larger batches "
+              f"repeat prompts, so their working sets are not those of distinct requests (Figure 16 leaves them out)",
+              file=sys.stderr)
     cases = [(b, d) for b in sizes for d, p in prompts.items() if not isinstance(p, str)]
     with tqdm(total=len(cases) * cfg.repeats * len(runnable), desc="batches", unit="run", file=sys.stderr) as bar:
         for dataset, texts in prompts.items():

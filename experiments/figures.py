@@ -1,6 +1,9 @@
 """Render the paper's figures from result files only (never a live run): PNG + PDF + the CSV drawn.
 
-    python -m experiments.figures results/
+    python -m experiments.figures results/paper
+
+Per model and memory setting the newest complete run is drawn (`result_runs.chosen_runs`); a figure that
+cannot be drawn is listed with the reason.
 """
 from __future__ import annotations
 
@@ -14,17 +17,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
+from experiments.result_runs import measured, summaries  # noqa: E402
 from specter.errors import SpecterError  # noqa: E402
 
-
-def _summaries(root: Path, experiment: str, name: str = "summary.csv") -> pd.DataFrame:
-    """Concatenated <root>/<experiment>/<model>-<mem>/<name> with a `run` column (the directory name)."""
-    frames = []
-    for path in sorted((root / experiment).glob(f"*/{name}")):
-        frame = pd.read_csv(path)
-        frame["run"] = path.parent.name
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+Drawn = list  # the paths a figure wrote; a figure that cannot be drawn returns the reason (a str) instead
 
 
 def _save(fig, data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
@@ -37,17 +33,11 @@ def _save(fig, data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
     return paths
 
 
-def _measured(root: Path, experiment: str) -> pd.DataFrame:
-    """An experiment's summary rows that hold numbers (not 'unavailable' reasons)."""
-    data = _summaries(root, experiment)
-    return data[data.status.isna()] if "status" in data else data
-
-
-def figure7_depth(root: Path, out: Path) -> list[Path]:
+def figure7_depth(root: Path, out: Path) -> Drawn | str:
     """TPOT vs speculation depth K, one line per model/memory run."""
-    data = _measured(root, "depth")
+    data = measured(root, "depth")
     if data.empty:
-        return []
+        return "no depth runs (experiment=depth)"
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for run, rows in data.groupby("run"):
         rows = rows.sort_values("k")
@@ -57,11 +47,37 @@ def figure7_depth(root: Path, out: Path) -> list[Path]:
     return _save(fig, data, out, "fig7_depth")
 
 
-def figure11_kernel(root: Path, out: Path) -> list[Path]:
-    """Median time per system and token count at each model's expert shape."""
-    data = _summaries(root, "kernel", "kernel.csv")
+def kernel_runs(root: Path) -> pd.DataFrame | str:
+    data = summaries(root, "kernel", "kernel.csv")
     if data.empty:
-        return []
+        return "no kernel runs: experiment=kernel times Triton kernels on a CUDA GPU (none was used)"
+    return data
+
+
+def figure10_kernel_speedup(root: Path, out: Path) -> Drawn | str:
+    """The fused INT4 kernel's speedup over FP16 expert-wise execution vs tokens, one line per model."""
+    data = kernel_runs(root)
+    if isinstance(data, str):
+        return data
+    times = data.pivot_table(index=["model", "tokens"], columns="system", values="median_ms").reset_index()
+    if not {"fused_int4", "fp16_expert_wise"} <= set(times.columns):
+        return "the kernel runs lack fused_int4 or fp16_expert_wise rows"
+    times["speedup"] = times.fp16_expert_wise / times.fused_int4
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for model, rows in times.groupby("model", sort=False):
+        ax.plot(rows.tokens, rows.speedup, marker="o", label=model)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set(xscale="log", xlabel="tokens", ylabel="FP16 time / fused INT4 time",
+           title="Figure 10: fused INT4 draft kernel vs FP16")
+    ax.legend(fontsize=7)
+    return _save(fig, times, out, "fig10_kernel_speedup")
+
+
+def figure11_kernel(root: Path, out: Path) -> Drawn | str:
+    """Median time per system and token count at each model's expert shape."""
+    data = kernel_runs(root)
+    if isinstance(data, str):
+        return data
     models = list(dict.fromkeys(data.model))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.5), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -73,25 +89,34 @@ def figure11_kernel(root: Path, out: Path) -> list[Path]:
     return _save(fig, data, out, "fig11_kernel")
 
 
-def figure13_routing(root: Path, out: Path) -> list[Path]:
-    """Per-window working-set sizes per dataset (left) and pairwise JS distances (right)."""
-    sets, js = _summaries(root, "routing", "routing_working_sets.csv"), _summaries(root, "routing", "routing_js.csv")
+def figure13_routing(root: Path, out: Path) -> Drawn | str:
+    """Per run (model and memory setting): per-window working-set sizes per dataset (left) and pairwise
+    Jensen-Shannon distances between the datasets' routing (right; needs two datasets or more)."""
+    sets, js = summaries(root, "routing", "routing_working_sets.csv"), summaries(root, "routing", "routing_js.csv")
     if sets.empty:
-        return []
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    names = list(dict.fromkeys(sets.dataset))
-    left.boxplot([sets[sets.dataset == n].working_set for n in names])
-    left.set_xticks(range(1, len(names) + 1), names, rotation=45)
-    left.set(ylabel="distinct experts per layer per window", title="working sets")
-    matrix = pd.DataFrame(0.0, index=names, columns=names)
-    for _, row in js.iterrows():
-        matrix.loc[row.dataset_a, row.dataset_b] = matrix.loc[row.dataset_b, row.dataset_a] = row.js_distance
-    image = right.imshow(matrix.values, cmap="viridis")
-    right.set_xticks(range(len(names)), names, rotation=45)
-    right.set_yticks(range(len(names)), names)
-    right.set_title("Jensen-Shannon distance")
-    fig.colorbar(image, ax=right)
+        return "no routing runs (experiment=routing)"
+    runs = list(dict.fromkeys(sets.run))
+    fig, axes = plt.subplots(len(runs), 2, figsize=(9, 3.5 * len(runs)), squeeze=False)
+    for (left, right), run in zip(axes, runs):
+        run_sets = sets[sets.run == run]
+        names = list(dict.fromkeys(run_sets.dataset))
+        left.boxplot([run_sets[run_sets.dataset == n].working_set for n in names])
+        left.set_xticks(range(1, len(names) + 1), names, rotation=45)
+        left.set(ylabel="distinct experts per layer per window", title=f"{run}: working sets")
+        if len(names) < 2:
+            right.axis("off")
+            right.text(0.5, 0.5, "Jensen-Shannon distance:\nneeds two datasets or more", ha="center", va="center")
+            continue
+        matrix = pd.DataFrame(0.0, index=names, columns=names)
+        for _, row in js[js.run == run].iterrows():
+            matrix.loc[row.dataset_a, row.dataset_b] = matrix.loc[row.dataset_b, row.dataset_a] = row.js_distance
+        image = right.imshow(matrix.values, cmap="viridis")
+        right.set_xticks(range(len(names)), names, rotation=45)
+        right.set_yticks(range(len(names)), names)
+        right.set_title(f"{run}: Jensen-Shannon distance")
+        fig.colorbar(image, ax=right)
     fig.suptitle("Figure 13: routing diversity")
+    fig.tight_layout()
     return _save(fig, pd.concat([sets.assign(kind="working_set"), js.assign(kind="js")]), out, "fig13_routing")
 
 
@@ -113,30 +138,38 @@ def locality_figure(data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
     return _save(fig, data, out, stem)
 
 
-def figure_routing_locality(root: Path, out: Path) -> list[Path]:
+def figure_routing_locality(root: Path, out: Path) -> Drawn | str:
     """Every routing run's locality curves against the real checkpoints'."""
-    data = _summaries(root, "routing", "routing_locality.csv")
-    return [] if data.empty else locality_figure(data.assign(model=data.run), out, "routing_locality")
-
-
-def figure14_main(root: Path, out: Path) -> list[Path]:
-    """TPOT per dataset and system, one panel per model/memory run."""
-    data = _measured(root, "main")
+    data = summaries(root, "routing", "routing_locality.csv")
     if data.empty:
-        return []
+        return "no routing runs (experiment=routing)"
+    return locality_figure(data.assign(model=data.run), out, "routing_locality")
+
+
+def figure14_main(root: Path, out: Path) -> Drawn | str:
+    """TPOT per dataset and system, one panel per model/memory run; one legend below the panels."""
+    data = measured(root, "main")
+    if data.empty:
+        return "no main runs (experiment=main)"
     runs = list(dict.fromkeys(data.run))
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
     for ax, run in zip(axes[0], runs):
         table = data[data.run == run].pivot_table(index="dataset", columns="system", values="tpot_ms", sort=False)
-        table.plot.bar(ax=ax, rot=0)
+        table.plot.bar(ax=ax, rot=0, legend=False)
         ax.set(ylabel="TPOT (ms)", title=run)
-        ax.legend(fontsize=7)
+    handles = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 5), fontsize=7,
+               bbox_to_anchor=(0.5, -0.02))
     fig.suptitle("Figure 14: TPOT per dataset and system")
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))  # room for the legend below and the title above
     return _save(fig, data, out, "fig14_main")
 
 
 def _batch_averages(root: Path) -> pd.DataFrame:
-    data = _measured(root, "batch")
+    data = measured(root, "batch")
     return data[data.dataset == "AVG"] if not data.empty else data
 
 
@@ -148,11 +181,11 @@ def _batch_axis(ax, sizes: pd.Series) -> None:
     ax.set_xlabel("batch size")
 
 
-def figure15_batch(root: Path, out: Path) -> list[Path]:
+def figure15_batch(root: Path, out: Path) -> Drawn | str:
     """Mean TPOT (left) and throughput (right) vs batch size, one line per system and run."""
     data = _batch_averages(root)
     if data.empty:
-        return []
+        return "no batch runs (experiment=batch)"
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for (run, system), rows in data.groupby(["run", "system"], sort=False):
         rows = rows.sort_values("batch_size")
@@ -171,29 +204,37 @@ def figure15_batch(root: Path, out: Path) -> list[Path]:
     return _save(fig, data, out, "fig15_batch")
 
 
-def figure16_working_set(root: Path, out: Path) -> list[Path]:
-    """Distinct experts per layer per verify window vs batch size (Specter's runs)."""
+def figure16_working_set(root: Path, out: Path) -> Drawn | str:
+    """Distinct experts per layer per verify window vs batch size (Specter's runs), at the batch sizes
+    whose requests were distinct prompts (a batch larger than num_prompts repeats prompts)."""
     data = _batch_averages(root)
     if data.empty or "working_set_mean" not in data or data.working_set_mean.isna().all():
-        return []
+        return "no batch runs with Specter's working set (experiment=batch)"
     data = data[data.working_set_mean.notna()]
+    distinct = data[data.batch_size <= data.num_prompts.fillna(float("inf"))]
+    if distinct.batch_size.nunique() < 2:
+        return (f"fewer than two batch sizes with distinct prompts (num_prompts {sorted(set(data.num_prompts))}): "
+                f"run experiment=batch with num_prompts at least the largest batch size")
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for (run, system), rows in data.groupby(["run", "system"], sort=False):
+    for (run, system), rows in distinct.groupby(["run", "system"], sort=False):
         rows = rows.sort_values("batch_size")
         ax.plot(rows.batch_size, rows.working_set_mean, marker="o", label=f"{system} ({run})")
-    _batch_axis(ax, data.batch_size)
-    ax.set(ylabel="distinct experts / layer / window", title="Figure 16: expert working set vs batch size")
+    _batch_axis(ax, distinct.batch_size)
+    left_out = sorted(set(data.batch_size) - set(distinct.batch_size))
+    note = f" (B={', '.join(map(str, left_out))} left out: repeated prompts)" if left_out else ""
+    ax.set(ylabel="distinct experts / layer / window", title=f"Figure 16: expert working set vs batch size{note}")
+    ax.title.set_fontsize(8 if note else 10)
     ax.legend(fontsize=7)
-    return _save(fig, data, out, "fig16_working_set")
+    return _save(fig, distinct, out, "fig16_working_set")
 
 
-def table3_batch(root: Path, out: Path) -> list[Path]:
+def table3_batch(root: Path, out: Path) -> Drawn | str:
     """Per-dataset results at each run's largest batch size: CSV and a Markdown table."""
-    data = _measured(root, "batch")
+    data = measured(root, "batch")
     if data.empty:
-        return []
+        return "no batch runs (experiment=batch)"
     largest = data.groupby("run").batch_size.transform("max")
-    cols = [c for c in ("run", "system", "dataset", "batch_size", "tpot_ms", "throughput_tok_s", "specter_speedup")
+    cols = [c for c in ("run", "system", "dataset", "batch_size", "tpot_ms", "throughput_tok_s", "tpot_over_specter")
             if c in data]
     table = data[data.batch_size == largest][cols].astype({"batch_size": int})
     out.mkdir(parents=True, exist_ok=True)
@@ -214,16 +255,24 @@ def markdown_table(frame: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-FIGURES = (figure7_depth, figure11_kernel, figure13_routing, figure_routing_locality, figure14_main, figure15_batch,
-           figure16_working_set, table3_batch)
+FIGURES = (figure7_depth, figure10_kernel_speedup, figure11_kernel, figure13_routing, figure_routing_locality,
+           figure14_main, figure15_batch, figure16_working_set, table3_batch)
 
 
 def render_all(root: Path) -> list[Path]:
+    """Every figure that the results under `root` can draw; the others are listed on stderr with the reason."""
     if not root.is_dir():
         raise SpecterError(f"results directory {root} does not exist")
-    written = [path for figure in FIGURES for path in figure(root, root / "figures")]
+    written = []
+    for figure in FIGURES:
+        drawn = figure(root, root / "figures")
+        if isinstance(drawn, str):
+            print(f"figures: skipped {figure.__name__}: {drawn}", file=sys.stderr)
+        else:
+            written += drawn
     if not written:
-        raise SpecterError(f"no result files under {root} to draw from (run an experiment first)")
+        raise SpecterError(f"nothing to draw under {root}: no results directory with records.csv or a result "
+                           f"table (run an experiment first; the reasons per figure are listed above)")
     return written
 
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from experiments import records
 from experiments.experiments import EXPERIMENTS
-from experiments.settings import results_dir, write_run_json
+from experiments.settings import busy_warning, check_run_settings, machine_state, results_dir, write_run_json
 from specter.errors import SpecterError
 from specter.models.loading import checkpoint_architecture
 
@@ -78,7 +78,9 @@ def check_group_choices(argv: list[str]) -> None:
 
 def run(cfg: DictConfig) -> Path:
     """Run the configured experiment; returns the results directory it wrote."""
+    check_run_settings(cfg)
     out_dir, resumed = results_dir(cfg)
+    busy = busy_warning(machine_state())  # taken before the run's own work; printed with the results
     opened: list[records.RecordWriter] = []
 
     def open_writer() -> records.RecordWriter:
@@ -94,6 +96,8 @@ def run(cfg: DictConfig) -> Path:
     print(f"\n{header}")
     print(records.format_table(summary))
     print(f"results: {out_dir}")
+    if busy:
+        print(busy, file=sys.stderr)
     return out_dir
 
 

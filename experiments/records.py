@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +40,24 @@ def unavailable(key: dict, reason: str) -> dict:
     return {**key, "status": f"unavailable: {reason}"}
 
 
+def read_records(path: Path, repair: bool = False) -> pd.DataFrame:
+    """records.csv as a frame, without a torn last line (a write cut by power loss or a full disk: the
+    file does not end in a newline), which is reported on stderr; with `repair` it is cut from the file
+    too, so that appended rows start on a line of their own."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data[:data.rfind(b"\n") + 1]
+        print(f"warning: {path}: dropped a torn last line ({len(data) - len(keep)} bytes, no newline); "
+              f"that case counts as not run", file=sys.stderr)
+        if repair:
+            with open(path, "r+b") as f:
+                f.truncate(len(keep))
+        data = keep
+    if not data:
+        return pd.DataFrame(columns=FIELDS)
+    return pd.read_csv(io.BytesIO(data), keep_default_na=False)
+
+
 class RecordWriter:
     """Appends rows to <dir>/records.csv as they are produced (a crash keeps what was measured).
 
@@ -48,8 +68,8 @@ class RecordWriter:
         self.path = out_dir / "records.csv"
         self.rows: list[dict] = []
         if resume and self.path.exists():
-            self.rows = pd.read_csv(self.path, keep_default_na=False).to_dict("records")
-        else:
+            self.rows = read_records(self.path, repair=True).to_dict("records")
+        if not self.path.exists() or not resume or self.path.stat().st_size == 0:
             with open(self.path, "w", newline="") as f:
                 csv.DictWriter(f, fieldnames=FIELDS).writeheader()
         self._done = {self._key(r) for r in self.rows if r.get("status") == "ok"}
@@ -104,8 +124,9 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
         summary = pd.concat([summary, avg], ignore_index=True)
     summary = _with_speedup(summary, [c for c in by if c != "system"])
     summary = pd.concat([summary, missing.drop_duplicates()], ignore_index=True) if len(missing) else summary
-    if "batch_size" in summary:
-        summary["batch_size"] = pd.to_numeric(summary["batch_size"], errors="coerce").astype("Int64")
+    for count in ("batch_size", "prompts"):  # whole numbers, also on AVG rows
+        if count in summary:
+            summary[count] = pd.to_numeric(summary[count], errors="coerce").round().astype("Int64")
     return summary
 
 
@@ -119,12 +140,13 @@ def _identical(ok: pd.DataFrame, row, by) -> str:
 
 
 def _with_speedup(summary: pd.DataFrame, group: list[str]) -> pd.DataFrame:
-    """specter_speedup = this system's TPOT / Specter's TPOT in the same group (dataset, k, ...)."""
+    """tpot_over_specter = this system's TPOT / Specter's TPOT in the same group (dataset, k, ...): above 1,
+    Specter is that many times faster; below 1, slower."""
     specter = summary[summary.system == "specter"].set_index(group)["tpot_ms"] if group else None
     if specter is None or specter.empty:
         return summary
     keys = summary[group].apply(tuple, axis=1) if len(group) > 1 else summary[group[0]]
-    summary["specter_speedup"] = summary.tpot_ms.values / keys.map(specter).values
+    summary["tpot_over_specter"] = summary.tpot_ms.values / keys.map(specter).values
     return summary
 
 
@@ -135,4 +157,8 @@ def write_summary(out_dir: Path, rows: list[dict], by: tuple[str, ...] = ("syste
 
 
 def format_table(summary: pd.DataFrame) -> str:
-    return summary.to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-")
+    """The summary as printed, with a legend for the ratio column."""
+    table = summary.to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-")
+    if "tpot_over_specter" in summary:
+        table += "\ntpot_over_specter: this system's TPOT / Specter's (above 1: Specter is faster; below 1: slower)"
+    return table

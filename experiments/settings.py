@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 from dataclasses import dataclass
@@ -176,28 +177,99 @@ def profiled_k(cfg, spec: ModelSpec) -> int:
                        f"mem={cfg.mem.name} model.weights={cfg.model.weights}` first")
 
 
+def check_run_settings(cfg) -> None:
+    """One-line error for a nonsensical run-level value, before anything loads or any directory is made."""
+    for name, least in (("num_prompts", 1), ("repeats", 1), ("max_new_tokens", 1), ("prefix_tokens", 1)):
+        whole_number(cfg.get(name), name, least)
+    if cfg.get("warmup_tokens") is not None:
+        whole_number(cfg.warmup_tokens, "warmup_tokens", 0, " or null")
+    if cfg.k is not None and cfg.k != "auto":
+        whole_number(cfg.k, "k", 1, ", null or auto")
+    for name, value in (cfg.get("token_caps") or {}).items():
+        if value is not None:
+            whole_number(value, f"token_caps.{name}", 1, " or null")
+    systems = cfg.get("systems")
+    if not OmegaConf.is_list(systems) or len(systems) == 0:
+        raise SpecterError(f"systems must be a non-empty list such as [specter,target_only], got {systems!r}")
+    temperature = cfg.get("temperature")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        raise SpecterError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    whole_number(cfg.get("seed"), "seed", None)
+    for name in ("k_values", "batch_sizes", "prefix_values"):
+        values = cfg.experiment.get(name)
+        if values is not None:
+            if not OmegaConf.is_list(values) or len(values) == 0:
+                raise SpecterError(f"experiment.{name} must be a non-empty list, got {values!r}")
+            for value in values:
+                whole_number(value, f"each of experiment.{name}", 1)
+    if str(cfg.device).startswith("cuda") and not torch.cuda.is_available():
+        raise SpecterError(f"device={cfg.device} but this machine has no usable CUDA GPU; use device=cpu or device=auto")
+
+
+def whole_number(value, name: str, least: int | None, alternatives: str = "") -> None:
+    """Raise unless `value` is an int (not a bool, not 2.5, not a string) >= least."""
+    if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
+        bound = "" if least is None else f" >= {least}"
+        raise SpecterError(f"{name} must be an integer{bound}{alternatives}, got {value!r}")
+
+
+RESUME_FREE = ("resume", "results_dir", "results_root")  # keys a resumed run may change
+
+
 def results_dir(cfg) -> tuple[Path, bool]:
     """(where this run writes, whether it resumes an earlier run there); never overwrites.
 
     An explicit results_dir that exists is refused unless resume=true; the default
     results/<experiment>/<model>-<mem> (<model>: model.label if set, e.g. a checkpoint directory's
     name) gets a numeric suffix (.1, .2, ...) instead, or with resume=true is continued (its
-    finished cases are skipped).
+    finished cases are skipped). A run resumes only into a directory whose run.json holds the same
+    config (resume=force continues anyway).
     """
+    if cfg.resume not in (True, False, "force"):
+        raise SpecterError(f"resume must be true, false or force, got {cfg.resume!r}")
     if cfg.results_dir is not None:
         path = Path(cfg.results_dir)
         if path.exists() and not cfg.resume:
             raise SpecterError(f"results directory {path} already exists; it is never overwritten: "
                                f"pass another results_dir= or resume=true")
-        return path, path.exists()
-    base = Path(cfg.results_root) / cfg.experiment.name / f"{run_name(cfg)}-{cfg.mem.name}"
-    if cfg.resume:
-        return base, base.exists()
-    path, n = base, 0
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}.{n}")
-    return path, False
+    else:
+        path = Path(cfg.results_root) / cfg.experiment.name / f"{run_name(cfg)}-{cfg.mem.name}"
+        n, base = 0, path
+        while path.exists() and not cfg.resume:
+            n += 1
+            path = base.with_name(f"{base.name}.{n}")
+    if path.exists() and cfg.resume is True:
+        check_same_config(path, cfg)
+    return path, path.exists()
+
+
+def check_same_config(path: Path, cfg) -> None:
+    """One-line error unless `path`'s run.json was written by a run of the same config (a directory
+    with neither run.json nor records.csv holds nothing to check)."""
+    if not (path / "run.json").exists() and not (path / "records.csv").exists():
+        return
+    try:
+        stored = json.loads((path / "run.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SpecterError(f"cannot resume {path}: its run.json is missing or unreadable, so its config "
+                           f"cannot be checked; pass another results_dir= or resume=force") from None
+    stored, new = flat(stored), flat(OmegaConf.to_container(cfg, resolve=True))
+    differ = [key for key in sorted(set(stored) | set(new))
+              if key.split(".")[0] not in RESUME_FREE and stored.get(key) != new.get(key)]
+    if differ:
+        shown = ", ".join(f"{k} ({stored.get(k)!r} there, {new.get(k)!r} now)" for k in differ[:4])
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise SpecterError(f"cannot resume {path}: it was run with another config: {shown}{more}; "
+                           f"pass another results_dir=, the same settings, or resume=force")
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """{"a.b": leaf} of a nested dict (lists and empty dicts are leaves)."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(flat(value, f"{name}.") if isinstance(value, dict) and value else {name: value})
+    return out
 
 
 def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
@@ -212,10 +284,36 @@ def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),  # tracked files differ from git_commit (or a copy whose .git is stale)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "machine": machine_state(),
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
     }
     (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def machine_state() -> dict:
+    """Host load (1-minute average, cores) and, on CUDA, the GPU's clocks: what the timings ran under."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    state = {"load_average_1min": load, "cpu_cores": os.cpu_count()}
+    if torch.cuda.is_available():
+        try:
+            state["gpu_clock_mhz"] = torch.cuda.clock_rate()
+        except Exception as err:  # noqa: BLE001  (needs NVML; without it only the reading is lost)
+            state["gpu_clock_mhz"] = f"unavailable: {first_line(err)}"
+    return state
+
+
+def busy_warning(state: dict, share: float = 0.75) -> str | None:
+    """A warning line when the host's load average exceeds `share` of its cores (timings inflate)."""
+    load, cores = state.get("load_average_1min"), state.get("cpu_cores") or 1
+    if load is None or load <= share * cores:
+        return None
+    return (f"warning: this machine was busy when the run started (load average {load:.1f} on {cores} cores): "
+            f"its timings are inflated; run.json records the load")
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def workload(cfg) -> str:
@@ -272,4 +370,12 @@ def header(model, config, cfg, what: str) -> str:
         weights = f"checkpoint {checkpoint}{as_model}"
     return (f"{what}: {model.spec.name} ({weights}), K={config.k}, {config.resident_experts_per_layer} "
             f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
-            f"{cfg.max_new_tokens} tokens on {model.device}")
+            f"{cfg.max_new_tokens} tokens on {model.device}{load_note(machine_state())}")
+
+
+def load_note(state: dict) -> str:
+    """`, host load 0.4/2 cores` (and the GPU clock) for the printed header."""
+    load = state.get("load_average_1min")
+    note = "" if load is None else f", host load {load:.1f}/{state.get('cpu_cores')} cores"
+    clock = state.get("gpu_clock_mhz")
+    return note + (f", GPU clock {clock} MHz" if isinstance(clock, (int, float)) else "")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.records import SUMMARY_KEYS, format_table, summarize
+from experiments.records import SUMMARY_KEYS, format_table, read_records, summarize
 
 
 def summarize_dir(directory: Path, output: Path | None = None) -> pd.DataFrame:
@@ -29,7 +29,7 @@ def summarize_dir(directory: Path, output: Path | None = None) -> pd.DataFrame:
     output = output or directory / "summary.csv"
     if output.exists():
         raise ValueError(f"{output} already exists; it is never overwritten: pass --output PATH")
-    rows = pd.read_csv(records, keep_default_na=False)
+    rows = read_records(records)
     if rows.empty:
         raise ValueError(f"{records} holds no records yet")
     summary = summarize(rows, SUMMARY_KEYS[experiment])

@@ -20,6 +20,7 @@ from huggingface_hub import errors as hf_errors  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from initialization.manifest import (  # noqa: E402
+    ASIDE_SUFFIX,
     LOCK_NAME,
     PARTIAL_SUFFIX,
     STAGING_DIR,
@@ -50,7 +51,9 @@ fetched with huggingface_hub, moved to <file>{PARTIAL_SUFFIX}, checked against t
 sha256 and only then renamed to its final name. Files already present and matching are skipped, so an
 interrupted run is resumed by running it again. A file whose sha256 the manifest leaves null is
 downloaded, its observed sha256 recorded in DIR/<name>/{LOCK_NAME}, and a warning says that it was not
-verifiable against the manifest; later runs compare it with the recorded hash.
+verifiable against the manifest; later runs compare it with the recorded hash. A local file that does
+not match is never deleted: it is moved to <file>{ASIDE_SUFFIX} and removed only once a download verified
+against the manifest has replaced it.
 
 Without --only, every model not marked optional is downloaded (optional ones: name them with --only).
 Gated repositories need `hf auth login` or HF_TOKEN. Exit codes: 0 ok, 1 a download or check failed,
@@ -167,10 +170,32 @@ def _present_and_valid(final: Path, entry: FileEntry, recorded: dict | None, lab
     try:
         return verify_file(final, expected, entry.size, label)
     except ChecksumError as exc:
-        if entry.sha256 is not None or (entry.size is not None and final.stat().st_size != entry.size):
-            final.unlink()  # contradicts the manifest: never leave it under the final name
         _warn(f"{exc}; downloading it again")
         return None
+
+
+def move_aside(final: Path, label: str) -> Path:
+    """Rename an existing file that is about to be replaced to <name>.mismatch (.mismatch.1, ... if taken):
+    it is kept until a replacement verified against the manifest is in place."""
+    aside, n = final.with_name(final.name + ASIDE_SUFFIX), 0
+    while aside.exists():
+        n += 1
+        aside = final.with_name(f"{final.name}{ASIDE_SUFFIX}.{n}")
+    os.replace(final, aside)
+    _warn(f"{label}: the local copy was moved aside to {aside}; it is kept until a verified replacement is in place")
+    return aside
+
+
+def settle_aside(aside: Path | None, entry: FileEntry, label: str) -> None:
+    """Remove the moved-aside copy once its replacement is verified against the manifest; otherwise keep it."""
+    if aside is None:
+        return
+    if entry.sha256 is not None:
+        aside.unlink()
+        _say(f"{label}: replaced by a verified download; removed the mismatched copy {aside.name}")
+    else:
+        _warn(f"{label}: the manifest has no sha256, so the replacement is not verified; kept the earlier copy "
+              f"at {aside}")
 
 
 def download_file(model: ModelEntry, entry: FileEntry, model_dir: Path, lock: dict[str, dict],
@@ -178,7 +203,8 @@ def download_file(model: ModelEntry, entry: FileEntry, model_dir: Path, lock: di
     """Fetch one file to <path>.partial, verify it, rename it; returns skipped|downloaded|unverified|missing.
 
     `lock` (path -> record) is updated in place and written after each download, so an interruption loses at
-    most the file in flight. A mismatch deletes the partial file and raises ChecksumError.
+    most the file in flight. A mismatch deletes the partial file and raises ChecksumError. A local file this
+    run replaces is moved aside first (`move_aside`), never deleted before a verified copy is in place.
     """
     fetch = fetch or hf_fetch
     label = f"{model.name}/{entry.path}"
@@ -191,6 +217,7 @@ def download_file(model: ModelEntry, entry: FileEntry, model_dir: Path, lock: di
             _say(f"{label}: already present and matching, skipped")
             return "skipped"
     final.parent.mkdir(parents=True, exist_ok=True)
+    aside = move_aside(final, label) if final.is_file() else None
     partial.unlink(missing_ok=True)
     staging = model_dir / STAGING_DIR
     if force:
@@ -198,6 +225,8 @@ def download_file(model: ModelEntry, entry: FileEntry, model_dir: Path, lock: di
     try:
         fetched = Path(fetch(model.repo_id, entry.path, model.revision, staging))
     except RemoteFileMissing as exc:
+        if aside is not None:
+            os.replace(aside, final)  # nothing to replace it with: the local copy goes back
         if not entry.optional:
             raise
         _warn(f"{exc}; it is optional, skipped")
@@ -209,6 +238,7 @@ def download_file(model: ModelEntry, entry: FileEntry, model_dir: Path, lock: di
         partial.unlink(missing_ok=True)
         raise
     os.replace(partial, final)
+    settle_aside(aside, entry, label)
     lock[entry.path] = _record(final, sha, entry)
     lock_path = write_lock(model_dir, model, lock)
     if entry.sha256 is None:

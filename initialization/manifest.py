@@ -12,6 +12,7 @@ from specter.errors import SpecterError
 FORMAT = "specter-model-assets/1"
 LOCK_NAME = ".specter-download.json"  # names the downloader writes inside a model directory
 PARTIAL_SUFFIX = ".partial"
+ASIDE_SUFFIX = ".mismatch"  # a local file the downloader replaces, kept until the replacement is verified
 STAGING_DIR = ".specter-staging"  # huggingface_hub's local_dir (keeps its resumable partial downloads)
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")

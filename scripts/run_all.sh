@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Reproduce every experiment of the paper in order, then render the figures.
-#   scripts/run_all.sh [--tiny] [--dry-run] [--results DIR]
+#   scripts/run_all.sh [--tiny] [--dry-run] [--results DIR]   (default DIR: results/paper, its own root, so
+#   other runs under results/ are neither skipped as done nor drawn)
 # --tiny: the tiny synthetic models on CPU, few short prompts (minutes; what CI runs).
 # --dry-run: print the plan with an estimated time and exit.
 # Resumable: a finished step (run.json "complete": true) is skipped; an unfinished one is resumed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TINY=0; DRY=0; RESULTS=results
+TINY=0; DRY=0; RESULTS=results/paper
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) TINY=1 ;;
     --dry-run) DRY=1 ;;
     --results) RESULTS="$2"; shift ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift

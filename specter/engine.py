@@ -66,10 +66,10 @@ class SpecterEngine:
         A batch (a list of prompts: token lists or tensors, any lengths) gives a list of results, one per
         request, decoded together (greedy; `specter.batch`)."""
         with self._serving():
+            vocab = self.model.vocab_size
             if is_batch(input_ids):
-                return generate_batch(self, check_batch(input_ids, max_new_tokens), max_new_tokens,
-                                      eos_token_id)
-            return self._generate_one(check_prompt(input_ids, max_new_tokens), max_new_tokens, eos_token_id)
+                return generate_batch(self, check_batch(input_ids, max_new_tokens, vocab), max_new_tokens, eos_token_id)
+            return self._generate_one(check_prompt(input_ids, max_new_tokens, vocab), max_new_tokens, eos_token_id)
 
     def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None):
         self.begin_request()

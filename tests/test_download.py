@@ -269,7 +269,34 @@ def test_corrupt_final_file_is_replaced(tmp_path, capsys):
     dm.download_model(model, out, fetch=hub)
     assert hub.calls == ["config.json"]
     assert (out / "toy" / "config.json").read_bytes() == FILES["config.json"]
-    assert "downloading it again" in capsys.readouterr().err
+    err = capsys.readouterr()
+    assert "downloading it again" in err.err and "moved aside" in err.err
+    assert "removed the mismatched copy" in err.out
+    assert not list((out / "toy").glob("*" + dm.ASIDE_SUFFIX + "*"))  # verified replacement: aside removed
+
+
+def test_a_mismatched_local_file_is_kept_while_no_verified_replacement_exists(tmp_path, capsys):
+    """A wrong manifest hash must not destroy a good download: the local file is moved aside, not deleted."""
+    model, out = toy(tmp_path), tmp_path / "out"
+    (out / "toy").mkdir(parents=True)
+    good = b"x" * len(FILES["config.json"])  # the right size, another hash (as with a wrong manifest entry)
+    (out / "toy" / "config.json").write_bytes(good)
+    with pytest.raises(dm.ChecksumError):
+        dm.download_model(model, out, fetch=FakeHub({**FILES, "config.json": good}))  # the hub agrees with the file
+    assert (out / "toy" / ("config.json" + dm.ASIDE_SUFFIX)).read_bytes() == good
+    assert "moved aside" in capsys.readouterr().err
+    (out / "toy" / "config.json").write_bytes(good)  # a second run moves it aside again, under a new name
+    with pytest.raises(dm.ChecksumError):
+        dm.download_model(model, out, fetch=FakeHub({**FILES, "config.json": good}))
+    assert (out / "toy" / ("config.json" + dm.ASIDE_SUFFIX + ".1")).read_bytes() == good
+
+
+def test_an_unverifiable_replacement_keeps_the_earlier_copy(tmp_path, capsys):
+    model, out = toy(tmp_path, known=False), tmp_path / "out"
+    dm.download_model(model, out, fetch=FakeHub())
+    dm.download_model(model, out, fetch=FakeHub(), force=True)
+    assert (out / "toy" / ("config.json" + dm.ASIDE_SUFFIX)).read_bytes() == FILES["config.json"]
+    assert "kept the earlier copy" in capsys.readouterr().err
 
 
 def test_unknown_hash_is_recorded_and_warned(tmp_path, capsys):

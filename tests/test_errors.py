@@ -23,6 +23,13 @@ def test_directory_without_config_json(tmp_path):
         specter.load_model(tmp_path)
 
 
+def test_malformed_config_json_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v2", ')
+    with pytest.raises(SpecterError, match="config.json is not a readable JSON object") as error:
+        specter.load_model(tmp_path)
+    assert "\n" not in str(error.value)
+
+
 def test_full_size_model_without_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECTER_MODELS", str(tmp_path))
     with pytest.raises(SpecterError, match="no checkpoint for 'dsv2'.*--only dsv2.*synthetic"):
@@ -63,3 +70,27 @@ def test_bad_sampling_settings():
 def test_bad_offload_knobs(field):
     with pytest.raises(SpecterError, match="must be"):
         specter.SpecterConfig(**field)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    (torch.tensor([[72.7, 101.0]]), "must hold integer token ids, got dtype torch.float32"),
+    ([72.7, 101.0], "must hold integer token ids, got dtype torch.float"),
+    (torch.tensor([[5, -1]]), "token id -1, outside this model's vocabulary"),
+    (torch.tensor([[5, 10**6]]), "token id 1000000, outside this model's vocabulary"),
+    (torch.tensor([[True, False]]), "must hold integer token ids, got dtype torch.bool"),
+])
+def test_prompts_must_be_token_ids_in_the_vocabulary(prompt, message):
+    from baselines.target_only import TargetOnly
+    model = tiny_model("tiny")
+    for system in (specter.SpecterEngine(model, specter.SpecterConfig(k=2)), TargetOnly(model)):
+        with pytest.raises(SpecterError, match=message):
+            system.generate(prompt, 4)
+        with pytest.raises(SpecterError, match=message):
+            system.generate([prompt, [5, 6]], 4)  # a batch checks each prompt
+
+
+def test_max_new_tokens_must_be_a_whole_number():
+    model = tiny_model("tiny")
+    for bad in (True, 2.5, 0):
+        with pytest.raises(SpecterError, match="max_new_tokens must be an integer >= 1"):
+            specter.SpecterEngine(model, specter.SpecterConfig(k=2)).generate(torch.tensor([[5, 6]]), bad)

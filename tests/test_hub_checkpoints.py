@@ -372,3 +372,14 @@ def test_damaged_checkpoint_is_a_one_line_error(tmp_path, arch, damage):
         specter.load_model(d, dtype=torch.float32)
     message = str(error.value)
     assert "\n" not in message and (name is None or name in message), message
+
+
+def test_a_shard_with_a_corrupt_header_is_a_one_line_error(tmp_path):
+    d = write_hub_checkpoint("qwen", tmp_path / REPOS_DIR["qwen"])
+    shard = d / shard_files(d)[0]
+    data = bytearray(shard.read_bytes())
+    data[8:40] = b"\xff" * 32  # the JSON header's first bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SpecterError, match=f"{shard.name} is truncated or corrupt") as error:
+        specter.load_model(d, dtype=torch.float32)
+    assert "\n" not in str(error.value)

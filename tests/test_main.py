@@ -3,18 +3,21 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments import systems as systems_module
 from experiments.main import checkpoint_overrides
-from experiments.settings import DERIVED, model_choice, results_dir, specter_config, specter_fields, workload
+from experiments.settings import (DERIVED, busy_warning, check_run_settings, load_note, machine_state, model_choice,
+                                  results_dir, specter_config, specter_fields, workload)
 from experiments.summarize import main as summarize_main
 from experiments.summarize import summarize_dir
 from experiments.systems import build_system, known_systems
@@ -224,6 +227,64 @@ def test_default_results_dir_gets_a_new_suffix(tmp_path, monkeypatch):
     first.mkdir(parents=True)
     assert results_dir(cfg) == (Path("results/main/tiny-dsv2-high.1"), False)
     assert results_dir(compose_with("resume=true")) == (first, True)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("num_prompts=-2", "num_prompts must be an integer >= 1, got -2"),
+    ("repeats=0", "repeats must be an integer >= 1, got 0"),
+    ("max_new_tokens=0", "max_new_tokens must be an integer >= 1, got 0"),
+    ("k=2.5", "k must be an integer >= 1, null or auto, got 2.5"),
+    ("k=abc", "k must be an integer >= 1, null or auto, got 'abc'"),
+    ("k=true", "k must be an integer >= 1, null or auto, got True"),
+    ("systems=[]", "systems must be a non-empty list"),
+    ("temperature=nan", "temperature must be a finite number >= 0, got nan"),
+    ("temperature=-1", "temperature must be a finite number >= 0, got -1"),
+    ("warmup_tokens=-1", "warmup_tokens must be an integer >= 0 or null, got -1"),
+    ("token_caps.transformers=0", "token_caps.transformers must be an integer >= 1 or null, got 0"),
+    ("+experiment.k_values=[2,0]", "each of experiment.k_values must be an integer >= 1, got 0"),
+    ("seed=1.5", "seed must be an integer, got 1.5"),
+])
+def test_nonsense_run_settings_are_refused_before_anything_loads(override, message):
+    with pytest.raises(SpecterError, match=re.escape(message)):
+        check_run_settings(compose_with(override))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_one_line_error():
+    with pytest.raises(SpecterError, match="device=cuda but this machine has no usable CUDA GPU"):
+        check_run_settings(compose_with("device=cuda"))
+
+
+def test_the_default_run_settings_pass():
+    check_run_settings(compose_with())
+    check_run_settings(compose_with("k=auto", "experiment=depth"))
+
+
+def test_a_busy_machine_is_named_in_a_warning_and_the_header():
+    assert busy_warning({"load_average_1min": 0.3, "cpu_cores": 2}) is None
+    warning = busy_warning({"load_average_1min": 1.9, "cpu_cores": 2})
+    assert warning.startswith("warning: this machine was busy when the run started (load average 1.9 on 2 cores)")
+    assert load_note({"load_average_1min": 1.9, "cpu_cores": 2}) == ", host load 1.9/2 cores"
+    state = machine_state()
+    assert state["cpu_cores"] >= 1 and state["load_average_1min"] >= 0
+
+
+def test_a_run_resumes_only_into_a_directory_of_the_same_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = Path("results/main/tiny-dsv2-high")
+    out.mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"config": OmegaConf.to_container(compose_with(), resolve=True)}))
+    assert results_dir(compose_with("resume=true")) == (out, True)
+    with pytest.raises(SpecterError, match=r"another config: max_new_tokens \(128 there, 32 now\);"):
+        results_dir(compose_with("resume=true", "max_new_tokens=32"))
+    with pytest.raises(SpecterError, match=r"model.name \('tiny' there, 'tiny-qwen' now\)"):
+        results_dir(compose_with("resume=true", "model=tiny-qwen", f"results_dir={out}"))
+    assert results_dir(compose_with("resume=force", "max_new_tokens=32")) == (out, True)
+    (out / "run.json").write_text("{")  # torn
+    with pytest.raises(SpecterError, match="run.json is missing or unreadable"):
+        results_dir(compose_with("resume=true"))
+    with pytest.raises(SpecterError, match="resume must be true, false or force"):
+        results_dir(compose_with("resume=maybe"))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -94,9 +94,10 @@ class SpecMoEOff:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
         """New tokens of a [1, T] prompt; of each request for a batch (two microbatches, greedy)."""
         with self.serving():
+            vocab = self.model.vocab_size
             if is_batch(input_ids):
-                return generate_microbatches(self, check_batch(input_ids, max_new_tokens), max_new_tokens)
-            return self._generate_one(check_prompt(input_ids, max_new_tokens), max_new_tokens)
+                return generate_microbatches(self, check_batch(input_ids, max_new_tokens, vocab), max_new_tokens)
+            return self._generate_one(check_prompt(input_ids, max_new_tokens, vocab), max_new_tokens)
 
     def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int) -> GenerationResult:
         self.begin_request()

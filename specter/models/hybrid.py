@@ -52,6 +52,11 @@ class HybridMoEModel:
         return self.hf.get_input_embeddings().weight.dtype
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: the token ids a prompt may hold are 0 .. vocab_size - 1."""
+        return self.hf.get_input_embeddings().weight.shape[0]
+
+    @property
     def num_moe_layers(self) -> int:
         return len(self.experts)
 

@@ -13,6 +13,7 @@ from specter.errors import SpecterError
 from specter.models.calibrated import calibrate, moe_layer_count, routing_profile, special_ids
 from specter.models.host_experts import build_synthetic_on_host, hybridize_to_host
 from specter.models.hybrid import HybridMoEModel, hybridize
+from specter.models.memory_check import check_build_memory
 from specter.models.registry import ARCHITECTURES, REGISTRY, ModelSpec, get_spec, spec_for_model_type
 from specter.models.tokenizer import ByteTokenizer
 from specter.quant.draft_io import load_draft
@@ -189,6 +190,7 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None,
     check_shards(path)
     words = checkpoint_tokenizer(path, config.vocab_size, tokenizer)
     dtype = dtype or default_dtype(runs_on or device, stored_dtype(config))
+    check_build_memory(spec, config, device, dtype, experts_on_host=False)  # loaded whole onto `device` first
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device))
     return model.eval(), words, spec
 
@@ -268,6 +270,7 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
             words, dtype = ByteTokenizer(spec.hf_config["vocab_size"]), dtype or default_dtype(device, calibrated=calibrated)
             if calibrated:
                 routing_profile(spec)  # fail before building
+            check_build_memory(spec, hf_config(spec), device, dtype, experts_on_host)
             if experts_on_host:
                 return build_synthetic_on_host(spec, hf_config(spec), words, device, dtype, seed, calibrated)
             return hybridize(build_synthetic(spec, device, dtype, seed, calibrated), spec, words)

@@ -1,0 +1,94 @@
+"""Bits per weight that residual transfer sends, per model's expert shape, dtype, weight law and draft codes.
+
+Byte counts are deterministic (no timing): the CPU measures them as well as a GPU would. Each row encodes
+one expert (gate, up and down projections) of seeded weights and checks that decoding rebuilds it bit
+for bit.
+
+    python scripts/residual_bits.py --models dsv2 qwen --out results/reference/residual-bits
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specter.models.registry import get_spec  # noqa: E402
+from specter.quant.gptq import gptq_quantize  # noqa: E402
+from specter.quant.int4 import GROUP_SIZE, quantize_to_codes, symmetric_scales, unpack_codes  # noqa: E402
+from specter.quant.residual import MARGINS, decode, encode  # noqa: E402
+
+STD = 0.02  # weight scale of the seeded draws (the law's spread; the ratio does not depend on it much)
+
+
+def expert_shapes(name: str) -> list[tuple[int, int]]:
+    """(out, in) of one routed expert's gate, up and down projections."""
+    config = get_spec(name).hf_config
+    hidden = config["hidden_size"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    return [(inter, hidden), (inter, hidden), (hidden, inter)]
+
+
+def draw(shape: tuple[int, int], law: str, generator: torch.Generator) -> torch.Tensor:
+    if law == "normal":
+        return STD * torch.randn(shape, generator=generator)
+    uniform = torch.rand(shape, generator=generator) - 0.5  # Laplace by inversion, the same spread
+    return -STD / 2**0.5 * torch.sign(uniform) * torch.log1p(-2 * uniform.abs())
+
+
+def codes_and_scales(weight: torch.Tensor, draft: str, generator: torch.Generator):
+    """INT4 codes [out, in] and stored scales [out, in/g] of the draft (RTN, or GPTQ with a seeded Hessian)."""
+    if draft == "rtn":
+        scales = symmetric_scales(weight)
+        return quantize_to_codes(weight, scales), scales.to(weight.dtype)
+    inputs = torch.randn(256, weight.shape[1], generator=generator)
+    packed = gptq_quantize(weight, inputs.T @ inputs)
+    return unpack_codes(packed.qweight), packed.scales.transpose(-1, -2)
+
+
+def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    sent, weights, classes = 0, 0, torch.zeros(len(MARGINS) + 1, dtype=torch.int64)
+    for shape in expert_shapes(name):
+        weight = draw(shape, law, generator).to(dtype)
+        codes, scales = codes_and_scales(weight, draft, generator)
+        encoded = encode(weight, codes, scales, GROUP_SIZE)
+        rebuilt = decode(encoded, codes, scales)
+        if not torch.equal(rebuilt.view(torch.int16), weight.view(torch.int16)):
+            raise AssertionError(f"{name} {shape}: the rebuilt weights differ")
+        sent += encoded.nbytes()
+        weights += weight.numel()
+        classes += torch.bincount(encoded.margin_class.flatten().long(), minlength=len(MARGINS) + 1)
+    share = (classes.float() / classes.sum()).tolist()
+    return {"model": name, "dtype": str(dtype).removeprefix("torch."), "law": law, "draft": draft,
+            "bits_per_weight": round(sent * 8 / weights, 3), "expert_mb": round(weights * 2 / 1e6, 3),
+            "sent_mb": round(sent / 1e6, 3), "sent_over_raw": round(sent / (weights * 2), 4),
+            "margin_class_shares": " ".join(f"{s:.3f}" for s in share)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["dsv2", "qwen", "phi", "mixtral"])
+    parser.add_argument("--drafts", nargs="+", default=["rtn", "gptq"], choices=["rtn", "gptq"])
+    parser.add_argument("--out", type=Path, default=None, help="write residual_bits.csv here")
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        for dtype in (torch.bfloat16, torch.float16):
+            for law in ("normal", "laplace"):
+                for draft in args.drafts:
+                    rows.append(measure(name, dtype, law, draft))
+                    print(" | ".join(str(v) for v in rows[-1].values()), flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "residual_bits.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

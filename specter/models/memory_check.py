@@ -1,0 +1,77 @@
+"""Before a model is built or loaded: does it fit in host RAM (and GPU memory)? One-line error if not."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from specter.errors import SpecterError
+from specter.models.registry import ModelSpec
+from specter.offload.budget import GB, plan_memory
+
+MARGIN = 1.15  # allocator slack, quantization temporaries and the Python process itself
+SKIP_ENV = "SPECTER_SKIP_MEMORY_CHECK"  # =1: build anyway (e.g. with a large swap file)
+
+
+@dataclass(frozen=True)
+class BuildNeed:
+    """Bytes a build needs where it lives: host RAM and GPU memory, and the bytes of one layer's experts."""
+
+    host: int
+    gpu: int
+    per_layer: int
+
+
+def build_need(spec: ModelSpec, config: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype,
+               experts_on_host: bool) -> BuildNeed:
+    """What building `spec` on `device` in `dtype` takes: every weight plus the INT4 draft, split between
+    host and GPU as the build places them (experts_on_host: FP experts in host memory, the rest on the GPU)."""
+    plan = plan_memory(spec, config, dtype, kv_tokens=0, workspace_gb=0.0)
+    experts = plan.expert_bytes * plan.num_moe_layers * plan.num_experts
+    rest = plan.non_expert_bytes + plan.draft_bytes
+    per_layer = (experts + rest) // max(config.num_hidden_layers, 1)
+    if torch.device(device).type != "cuda":
+        return BuildNeed(host=int(MARGIN * (experts + rest)), gpu=0, per_layer=per_layer)
+    if experts_on_host:
+        return BuildNeed(host=int(MARGIN * experts), gpu=int(MARGIN * rest), per_layer=per_layer)
+    return BuildNeed(host=0, gpu=int(MARGIN * (experts + rest)), per_layer=per_layer)
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_gpu_bytes(device: torch.device) -> int | None:
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
+def check_build_memory(spec: ModelSpec, config: transformers.PretrainedConfig, device: torch.device,
+                       dtype: torch.dtype, experts_on_host: bool, host_free: int | None = None,
+                       gpu_free: int | None = None) -> None:
+    """Raise a one-line SpecterError naming the need and the ways out when the build cannot fit."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return
+    need = build_need(spec, config, device, dtype, experts_on_host)
+    host_free = available_host_bytes() if host_free is None else host_free
+    gpu_free = available_gpu_bytes(device) if gpu_free is None else gpu_free
+    what = f"{spec.name} ({config.num_hidden_layers} layers, {str(dtype).removeprefix('torch.')}) on {device}"
+    ways = (f"model.layers=N builds fewer layers (about {need.per_layer / GB:.1f} GB each; library: num_layers=N), "
+            f"a CUDA GPU with experts_on_host keeps only the FP experts in host RAM, or set {SKIP_ENV}=1 to try anyway")
+    if host_free is not None and need.host > host_free:
+        raise SpecterError(f"building {what} needs about {need.host / GB:.1f} GB of host RAM, but "
+                           f"{host_free / GB:.1f} GB is available: {ways}")
+    if gpu_free is not None and need.gpu > gpu_free:
+        raise SpecterError(f"building {what} needs about {need.gpu / GB:.1f} GB of GPU memory, but "
+                           f"{gpu_free / GB:.1f} GB is free: {ways}")

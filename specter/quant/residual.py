@@ -1,0 +1,188 @@
+"""Lossless residual of a 16-bit weight given its INT4 draft code: the bits that must cross PCIe.
+
+A weight w with draft code q and group scale s (round-to-nearest) lies in [s(q - 1/2), s(q + 1/2)]. In
+the total order of 16-bit floats (`order_keys`: monotone, -0 below +0) that interval spans
+2^width(q) values at most, so w is sent as its key minus the interval's lowest key, in width(q) bits.
+Both sides derive the interval from the stored code and the stored scale alone, in float32 arithmetic
+that rounds the same way everywhere (one multiply of exact operands, then an integer truncation to 16
+bits and one step outward), so no per-weight side information travels. Each group (one output row's
+`group_size` inputs) widens its intervals by the smallest of MARGINS (scale units per side) that holds
+all its weights: 1/64 covers round-to-nearest codes (rounded against the float32 scale before it was
+stored in 16 bits); GPTQ codes, where |w/s - q| can exceed 1/2, need wider ones (each doubling of the
+interval costs about one bit). A group that no margin covers (NaN, infinity, codes of another tensor)
+is sent raw, 16 bits per weight.
+
+Layout of an encoded tensor W [..., out, in] (leading dims: experts): per group its margin class (3
+bits; RAW_CLASS = raw) and the start of its bits in a uint32 word stream (each group starts on a word);
+within a group the weights' residuals follow in input order, each in its own width. `encode` and `decode` are the plain torch
+reference of the format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specter.quant.int4 import ZERO_POINT
+
+MARGINS = (1.0 / 64, 0.5 + 1.0 / 64, 1.0 + 1.0 / 64, 2.0 + 1.0 / 64)  # per side, in scale units (exact)
+RAW_CLASS = len(MARGINS)
+RAW_BITS = 16
+WORD = 32
+
+
+@dataclass
+class ResidualTensor:
+    """The residual encoding of W [..., out, in] (16-bit) against its INT4 codes and scales.
+
+    margin_class: [..., out, in/g] uint8, the index into MARGINS of each group (RAW_CLASS: sent as its
+    16-bit patterns); word_start: [..., out, in/g] int64, the group's first word in `words`; words: [N]
+    int64 holding uint32 values (the bit stream).
+    """
+
+    margin_class: torch.Tensor
+    word_start: torch.Tensor
+    words: torch.Tensor
+    dtype: torch.dtype
+    group_size: int
+
+    def nbytes(self) -> int:
+        """Bytes that cross PCIe: the stream (4 bytes a word), 3 class bits and one int32 start per group."""
+        groups = self.margin_class.numel()
+        return self.words.numel() * 4 + groups * 4 + (3 * groups + 7) // 8
+
+    @property
+    def raw(self) -> torch.Tensor:
+        return self.margin_class == RAW_CLASS
+
+
+def bits_of(x: torch.Tensor) -> torch.Tensor:
+    """The 16-bit pattern of a float16/bfloat16 tensor as int32 in [0, 65535]."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"residual transfer needs a 16-bit float tensor, got {x.dtype}")
+    return x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
+
+
+def order_keys(bits: torch.Tensor) -> torch.Tensor:
+    """Monotone int32 keys of 16-bit float patterns: negative values reversed below 0x8000, -0 just
+    below +0 (NaN patterns land beyond the infinities)."""
+    return torch.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)
+
+
+def keys_to_bits(keys: torch.Tensor) -> torch.Tensor:
+    return torch.where(keys >= 0x8000, keys & 0x7FFF, 0xFFFF - keys)
+
+
+def truncated_bits(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """16-bit patterns of float32 values rounded toward zero, in integer arithmetic alone (the GPU kernel
+    does the same operations, so both ends agree bit for bit): bf16 keeps the upper half of the float32
+    pattern; fp16 rebiases the exponent (subnormals shifted in, overflow to infinity)."""
+    b = value.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if dtype == torch.bfloat16:
+        return (b >> 16).to(torch.int32)
+    sign = (b >> 16) & 0x8000
+    exponent = ((b >> 23) & 0xFF) - 127  # unbiased
+    mantissa = b & 0x7FFFFF
+    normal = ((exponent + 15) << 10) | (mantissa >> 13)
+    sub_shift = (-1 - exponent).clamp(0, 63)  # value < 2^-14: fp16 subnormal m * 2^-24
+    subnormal = ((mantissa | 0x800000) >> sub_shift).clamp_max(0x3FF)
+    magnitude = torch.where(exponent > 15, torch.full_like(b, 0x7C00),
+                            torch.where(exponent >= -14, normal,
+                                        torch.where(exponent >= -25, subnormal, torch.zeros_like(b))))
+    return (sign | magnitude).to(torch.int32)
+
+
+def bound_key(value: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """A key at or below (`up`: at or above) every 16-bit float within one step of `value`: the key of
+    its truncation toward zero, moved one step outward (a conservative, exactly reproducible bound)."""
+    keys = order_keys(truncated_bits(value, dtype))
+    return (keys + 1).clamp_max(0xFFFF) if up else (keys - 1).clamp_min(0)
+
+
+def intervals(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, group_size: int,
+              margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lowest key, width in bits) of every weight's interval, from codes [..., out, in] (uint8, 0..15),
+    scales [..., out, in/g] (as stored) and the margin of each group [..., out, in/g] (float32)."""
+    q = codes.to(torch.float32) - ZERO_POINT  # [..., out, in]
+    s = scales.to(dtype).float().repeat_interleave(group_size, dim=-1)  # [..., out, in]
+    m = margin.to(torch.float32).repeat_interleave(group_size, dim=-1)
+    low = bound_key((q - 0.5 - m) * s, dtype, up=False)  # q - 0.5 - m is exact in float32
+    high = bound_key((q + 0.5 + m) * s, dtype, up=True)
+    span = (high - low).clamp_min(0)  # keys low .. high: span + 1 values
+    width = torch.where(span > 0, torch.floor(torch.log2(span.double())).to(torch.int32) + 1, 0)
+    return low, width.clamp(0, RAW_BITS)
+
+
+def class_margins(margin_class: torch.Tensor) -> torch.Tensor:
+    """The margin of each group's class (RAW_CLASS: 0, unused)."""
+    return torch.tensor((*MARGINS, 0.0), dtype=torch.float32)[margin_class.long()]
+
+
+def group_widths(width: torch.Tensor, raw: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each weight's width in its group's encoding: its interval's, or 16 in a raw group. [..., out, in]."""
+    raw_per_weight = raw.repeat_interleave(group_size, dim=-1)
+    return torch.where(raw_per_weight, torch.full_like(width, RAW_BITS), width)
+
+
+def layout(width: torch.Tensor, raw: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(word_start [..., out, in/g], bit offset of every weight [..., out, in], words in the stream)."""
+    widths = group_widths(width, raw, group_size).to(torch.int64).unflatten(-1, (-1, group_size))  # [.., g, G]
+    group_words = (widths.sum(-1) + WORD - 1) // WORD  # [..., out, in/g]
+    flat = group_words.flatten()
+    word_start = (torch.cumsum(flat, 0) - flat).view_as(group_words)
+    within = torch.cumsum(widths, -1) - widths  # exclusive, [..., out, in/g, G]
+    offsets = word_start.unsqueeze(-1) * WORD + within
+    return word_start, offsets.flatten(-2), int(flat.sum())
+
+
+def choose_classes(keys: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                   group_size: int) -> torch.Tensor:
+    """Each group's smallest margin class whose intervals hold all its weights (else RAW_CLASS)."""
+    chosen = torch.full(scales.shape, RAW_CLASS, dtype=torch.uint8)
+    for index in reversed(range(len(MARGINS))):
+        low, width = intervals(codes, scales, dtype, group_size, torch.full(scales.shape, MARGINS[index]))
+        residual = keys - low
+        inside = (residual >= 0) & (residual < (1 << width.to(torch.int64)))  # [..., out, in]
+        chosen[inside.unflatten(-1, (-1, group_size)).all(-1)] = index
+    return chosen
+
+
+def encode(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> ResidualTensor:
+    """Residuals of W [..., out, in] (float16/bfloat16) against its codes [..., out, in] and scales
+    [..., out, in/g]."""
+    bits = bits_of(weight)
+    keys = order_keys(bits)
+    margin_class = choose_classes(keys, codes, scales, weight.dtype, group_size)
+    raw = margin_class == RAW_CLASS
+    low, width = intervals(codes, scales, weight.dtype, group_size, class_margins(margin_class))
+    value = torch.where(raw.repeat_interleave(group_size, dim=-1), bits, keys - low).to(torch.int64)
+    word_start, offsets, total = layout(width, raw, group_size)
+    words = torch.zeros(total + 1, dtype=torch.int64)  # one spare word: a value may spill into the next
+    word, shift = (offsets // WORD).flatten(), (offsets % WORD).flatten()
+    shifted = value.flatten() << shift  # < 2^48: this word and maybe the next
+    words.index_add_(0, word, shifted & 0xFFFFFFFF)  # residuals never overlap: adding is OR
+    words.index_add_(0, word + 1, shifted >> WORD)
+    return ResidualTensor(margin_class, word_start, words[:total], weight.dtype, group_size)
+
+
+def decode(encoded: ResidualTensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The exact 16-bit W [..., out, in] from its residual encoding, codes and scales."""
+    low, width = intervals(codes, scales, encoded.dtype, encoded.group_size, class_margins(encoded.margin_class))
+    _, offsets, _ = layout(width, encoded.raw, encoded.group_size)
+    widths = group_widths(width, encoded.raw, encoded.group_size).to(torch.int64)
+    words = torch.cat([encoded.words, torch.zeros(2, dtype=torch.int64)])
+    word, shift = offsets // WORD, offsets % WORD
+    pair = words[word] | (words[word + 1] << WORD)  # 64 bits starting at the weight's word
+    value = ((pair >> shift) & ((1 << widths) - 1)).to(torch.int32)
+    raw = encoded.raw.repeat_interleave(encoded.group_size, dim=-1)
+    bits = torch.where(raw, value, keys_to_bits(low + value))
+    return from_bits(bits, encoded.dtype)
+
+
+def mean_bits(encoded: ResidualTensor, weights: int) -> float:
+    """Bits per weight that cross PCIe, side information included."""
+    return encoded.nbytes() * 8 / weights

@@ -1,0 +1,121 @@
+"""Residual transfer: the 16-bit weights rebuilt from INT4 codes + residuals equal the originals bit for bit."""
+import pytest
+import torch
+
+from specter.quant.gptq import gptq_quantize
+from specter.quant.int4 import GROUP_SIZE, quantize_to_codes, symmetric_scales, unpack_codes
+from specter.quant.residual import bits_of, decode, encode, keys_to_bits, mean_bits, order_keys, truncated_bits
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def rtn_round_trip(weight: torch.Tensor, group_size: int = GROUP_SIZE):
+    scales = symmetric_scales(weight, group_size).to(weight.dtype)  # [..., out, in/g], as stored
+    codes = quantize_to_codes(weight, symmetric_scales(weight, group_size), group_size)
+    encoded = encode(weight, codes, scales, group_size)
+    return encoded, decode(encoded, codes, scales)
+
+
+def assert_bit_exact(rebuilt: torch.Tensor, weight: torch.Tensor) -> None:
+    assert rebuilt.dtype == weight.dtype and rebuilt.shape == weight.shape
+    assert torch.equal(bits_of(rebuilt), bits_of(weight))
+
+
+def test_order_keys_are_monotone_and_invertible():
+    every = torch.arange(65536, dtype=torch.int32)
+    assert torch.equal(keys_to_bits(order_keys(every)), every)
+    for dtype in DTYPES:
+        values = torch.arange(65536, dtype=torch.int32)
+        finite = ~torch.isnan(torch.where(values >= 0x8000, values - 0x10000, values).to(torch.int16).view(dtype))
+        bits = values[finite]
+        floats = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype).float()
+        order = torch.argsort(order_keys(bits))
+        assert (floats[order].diff() >= 0).all()  # non-decreasing; -0 and +0 are equal as floats
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_integer_truncation_rounds_toward_zero(dtype):
+    torch.manual_seed(4)
+    x = torch.cat([torch.randn(20000) * s for s in (3e-8, 1e-6, 1e-5, 1e-4, 1e-2, 1.0, 1e2, 1e4, 6e4, 1e30)])
+    nearest = x.to(dtype)
+    overshoot = nearest.float().abs() > x.abs()
+    expected = bits_of(nearest) - overshoot.to(torch.int32)  # one magnitude step toward zero
+    finite = ~torch.isinf(nearest.float())
+    assert torch.equal(truncated_bits(x, dtype)[finite], expected[finite])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dist", ["normal", "laplace"])
+def test_random_experts_round_trip_and_shrink(dtype, dist):
+    torch.manual_seed(0)
+    shape = (3, 32, 512)  # [experts, out, in]
+    sample = torch.randn(shape) if dist == "normal" else torch.distributions.Laplace(0.0, 1.0).sample(shape)
+    weight = (0.02 * sample).to(dtype)
+    encoded, rebuilt = rtn_round_trip(weight)
+    assert_bit_exact(rebuilt, weight)
+    assert not encoded.raw.any()
+    limit = {(torch.float16, "normal"): 11.5, (torch.float16, "laplace"): 12.5,
+             (torch.bfloat16, "normal"): 9.0, (torch.bfloat16, "laplace"): 10.5}[dtype, dist]
+    assert mean_bits(encoded, weight.numel()) < limit  # 16 bits raw
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adversarial_groups_round_trip(dtype):
+    info = torch.finfo(dtype)
+    torch.manual_seed(1)
+    weight = (0.02 * torch.randn(8, 4 * GROUP_SIZE)).to(dtype)
+    weight[0] = 0.0  # whole groups of zeros
+    weight[1, ::2], weight[1, 1::2] = 0.0, -0.0  # +0 and -0 mixed
+    weight[2] = (torch.randn(4 * GROUP_SIZE) * info.smallest_normal).to(dtype)  # subnormals
+    weight[3, 0], weight[3, GROUP_SIZE], weight[3, 5] = info.max, -info.max, info.tiny  # the largest magnitudes
+    weight[4, :GROUP_SIZE] = info.max * torch.sign(torch.randn(GROUP_SIZE)).to(dtype)
+    weight[5, 3], weight[5, GROUP_SIZE + 1] = float("nan"), float("inf")  # no interval holds these: raw groups
+    weight[6, :GROUP_SIZE] = 1e-3 * weight[6, :GROUP_SIZE]  # one group much smaller than the row's others
+    weight[7, 7] = 1.0  # an outlier in a group
+    encoded, rebuilt = rtn_round_trip(weight)
+    assert_bit_exact(rebuilt, weight)
+    assert encoded.raw[5, 0] and encoded.raw[5, 1] and not encoded.raw[7].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gptq_codes_round_trip_with_wider_margins(dtype):
+    torch.manual_seed(2)
+    weight = (0.02 * torch.randn(2, 16, 256)).to(dtype)
+    inputs = torch.randn(2, 512, 256)
+    packed = gptq_quantize(weight, inputs.transpose(-1, -2) @ inputs)
+    codes, scales = unpack_codes(packed.qweight), packed.scales.transpose(-1, -2)  # [.., out, in], [.., out, in/g]
+    per_weight = scales.float().repeat_interleave(GROUP_SIZE, -1)
+    assert ((weight.float() / per_weight - (codes.float() - 8)).abs() > 0.52).any()  # GPTQ moves past 1/2
+    encoded = encode(weight, codes, scales, GROUP_SIZE)
+    assert_bit_exact(decode(encoded, codes, scales), weight)
+    assert not encoded.raw.any() and (encoded.margin_class > 0).all()
+    assert mean_bits(encoded, weight.numel()) < (13.5 if dtype == torch.float16 else 12.0)
+
+
+def test_arbitrary_codes_still_round_trip():
+    torch.manual_seed(3)
+    weight = torch.randn(4, 256).to(torch.float16)
+    scales = symmetric_scales(weight).to(torch.float16)
+    codes = torch.randint(0, 16, weight.shape, dtype=torch.uint8)  # codes of some other tensor
+    encoded = encode(weight, codes, scales, GROUP_SIZE)
+    assert encoded.raw.all()
+    assert_bit_exact(decode(encoded, codes, scales), weight)
+
+
+def test_other_dtypes_are_refused():
+    with pytest.raises(ValueError, match="16-bit float"):
+        rtn_round_trip(torch.randn(2, GROUP_SIZE))
+
+
+def test_the_bits_script_measures_a_tiny_expert(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "residual_bits.py"
+    spec = importlib.util.spec_from_file_location("residual_bits", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.expert_shapes("dsv2") == [(1408, 2048), (1408, 2048), (2048, 1408)]
+    monkeypatch.setattr(script, "expert_shapes", lambda name: [(8, 256), (256, 128)])
+    row = script.measure("dsv2", torch.bfloat16, "laplace", "gptq")
+    assert 0.5 < row["sent_over_raw"] < 1.0 and row["margin_class_shares"].count(" ") == 4
+    assert script.measure("dsv2", torch.float16, "normal", "rtn")["margin_class_shares"].startswith("1.000")
