@@ -48,6 +48,7 @@ def test_main_protocol_rows(results):
     assert {"builtin", "AVG"} <= set(summary.dataset) and "tpot_over_specter" in summary
     run = json.loads((results / "main" / "tiny-dsv2-high" / "run.json").read_text())
     assert run["complete"] and run["config"]["experiment"]["name"] == "main" and "torch" in run["versions"]
+    assert run["machine"]["cpu_cores"] >= 1 and run["machine"]["load_average_1min"] >= 0  # what the timings ran under
 
 
 def test_depth_prefix_routing_kernel_outputs(results):
