@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Reproduce every experiment of the paper in order, then render the figures.
-#   scripts/run_all.sh [--tiny] [--dry-run] [--results DIR]   (default DIR: results/paper, its own root, so
-#   other runs under results/ are neither skipped as done nor drawn)
+#   scripts/run_all.sh [--tiny] [--dry-run] [--results DIR] [--models "M1 M2"]   (default DIR: results/paper,
+#   its own root, so other runs under results/ are neither skipped as done nor drawn)
 # --tiny: the tiny synthetic models on CPU, few short prompts (minutes; what CI runs).
 # --dry-run: print the plan with an estimated time and exit.
+# --models: a subset of the plan's models (default: dsv2 qwen phi; with --tiny: tiny-dsv2 tiny-qwen).
 # Resumable: a finished step (run.json "complete": true) is skipped; an unfinished one is resumed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TINY=0; DRY=0; RESULTS=results/paper
+TINY=0; DRY=0; RESULTS=results/paper; ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) TINY=1 ;;
     --dry-run) DRY=1 ;;
     --results) RESULTS="$2"; shift ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    --models) ONLY="$2"; shift ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -26,6 +28,12 @@ if [ "$TINY" = 1 ]; then
     "++experiment.k_values=[2,4,8]" device=cpu); STEP_MIN=0.3
 else
   MODELS=(dsv2 qwen phi); COMMON=(); STEP_MIN=25
+fi
+if [ -n "$ONLY" ]; then
+  for m in $ONLY; do
+    case " ${MODELS[*]} " in *" $m "*) ;; *) echo "error: --models: $m is not one of: ${MODELS[*]}" >&2; exit 2 ;; esac
+  done
+  read -r -a MODELS <<< "$ONLY"
 fi
 MAIN_EXTRA=()
 [ "$TINY" = 1 ] || MAIN_EXTRA=("token_caps.transformers=16")  # Accelerate-offloaded HF: seconds per token
@@ -59,7 +67,7 @@ for m in "${MODELS[@]}"; do plan prefix "$m" high k=auto; done
 for m in "${MODELS[@]}"; do plan routing "$m" high k=auto; done
 # Figures 15-16 / Table 3: batched decoding on the first two models (the paper's DeepSeek-V2-Lite and Qwen1.5-MoE)
 BATCH_EXTRA=("k=auto")
-[ "$TINY" = 1 ] && BATCH_EXTRA+=("experiment.batch_sizes=[1,2,4]")
+[ "$TINY" = 1 ] && BATCH_EXTRA+=("experiment.batch_sizes=[1,2,4]" "num_prompts=4")  # distinct requests per batch (Figure 16)
 for m in "${MODELS[@]:0:2}"; do plan batch "$m" high "${BATCH_EXTRA[@]}"; done
 plan kernel "${MODELS[0]}" high
 

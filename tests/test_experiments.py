@@ -154,15 +154,17 @@ def test_run_all_dry_run_and_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_run_all_tiny_end_to_end_and_resumable(tmp_path):
-    """The whole plan and its figures. vLLM is pointed at a missing environment here (its rows say so):
-    its worker takes half a minute per main step on the CPU, and tests/test_baseline_vllm.py runs it."""
+    """The whole plan on one model (`--models`) and its figures. vLLM is pointed at a missing environment
+    here (its rows say so): its worker takes half a minute per main step on the CPU, and
+    tests/test_baseline_vllm.py runs it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECTER_VLLM_VENV": str(tmp_path / "no-vllm-venv")}
-    cmd = ["bash", "scripts/run_all.sh", "--tiny", "--results", str(tmp_path)]
+    cmd = ["bash", "scripts/run_all.sh", "--tiny", "--models", "tiny-dsv2", "--results", str(tmp_path)]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert (tmp_path / "figures" / "fig14_main.png").exists() and (tmp_path / "figures" / "fig15_batch.png").exists()
-    assert json.loads((tmp_path / "main" / "tiny-qwen-low" / "run.json").read_text())["complete"]
-    main_rows = pd.read_csv(tmp_path / "main" / "tiny-qwen-low" / "records.csv")
+    for stem in ("fig14_main", "fig15_batch", "fig16_working_set"):
+        assert (tmp_path / "figures" / f"{stem}.png").exists(), stem
+    assert json.loads((tmp_path / "main" / "tiny-dsv2-low" / "run.json").read_text())["complete"]
+    main_rows = pd.read_csv(tmp_path / "main" / "tiny-dsv2-low" / "records.csv")
     assert main_rows[main_rows.system == "vllm"].status.str.startswith("unavailable: vLLM environment not found").any()
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert second.returncode == 0 and second.stdout.count("skip (done)") == 13
+    assert second.returncode == 0 and second.stdout.count("skip (done)") == 7
