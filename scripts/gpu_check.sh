@@ -26,6 +26,7 @@
 # llama.cpp from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
+# residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time).
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -50,6 +51,8 @@ for step in "${STEPS[@]}"; do
     profile) python3 scripts/profile_draft.py --model dsv2 --out "$OUT" 2>&1 | grep -v -i warn; rc=${PIPESTATUS[0]} ;;
     overlap) python3 scripts/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
              rc=${PIPESTATUS[0]} ;;
+    residual) python3 scripts/bench_residual.py --models dsv2 phi --out "$OUT" 2>&1 | grep -v -i warn
+              rc=${PIPESTATUS[0]} ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
