@@ -3,7 +3,7 @@
 For one routed expert of each model (gate, up, down; seeded weights, RTN draft codes), in bf16 and fp16:
 the pinned host-to-device copy of the raw 16-bit expert, the copy of its residual stream, and the Triton
 decode (`specter.kernels.residual_decode.decode_rows`) into device memory, each timed with CUDA events
-(median of --repeats). Correctness first: every decode is compared bit for bit with the original.
+(median of --repeats, after 2 warm-up calls). Correctness first: every decode is compared bit for bit with the original.
 
     python scripts/bench_residual.py --models dsv2 qwen --out DIR
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import statistics
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -24,6 +24,10 @@ from specter.models.registry import get_spec  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, pack_codes, quantize_to_codes, symmetric_scales  # noqa: E402
 from specter.quant.residual import bits_of, encode  # noqa: E402
 
+_spec = importlib.util.spec_from_file_location("bench_kernel", Path(__file__).resolve().parent / "bench_kernel.py")
+bench_kernel = sys.modules.setdefault("bench_kernel", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(bench_kernel)  # its median_ms: CUDA-event timing, each call from an idle device
+
 
 def expert_linears(name: str, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     """Seeded gate, up and down weights [out, in] of one routed expert of `name`."""
@@ -32,19 +36,6 @@ def expert_linears(name: str, dtype: torch.dtype, seed: int = 0) -> list[torch.T
     gen = torch.Generator().manual_seed(seed)
     return [(0.02 * torch.randn(shape, generator=gen)).to(dtype) for shape in ((inter, hidden), (inter, hidden),
                                                                                 (hidden, inter))]
-
-
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of fn() on the current stream."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
@@ -78,7 +69,8 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
         for (_, qweight, scales, encoded, _), device_words in zip(parts, words_device):
             decode_rows(encoded, qweight, scales, device_words)
 
-    raw_ms, residual_ms, decode_ms = (timed(f, repeats) for f in (copy_raw, copy_residual, decode_all))
+    raw_ms, residual_ms, decode_ms = (bench_kernel.median_ms(f, 2, repeats, cuda=True)
+                                      for f in (copy_raw, copy_residual, decode_all))
     raw_bytes = raw_host.numel() * 2
     sent = sum(encoded.nbytes() for *_, encoded, _ in parts)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),
