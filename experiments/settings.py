@@ -326,6 +326,9 @@ def workload(cfg) -> str:
 
 
 def _git_commit() -> str | None:
+    """HEAD of this tree, or SPECTER_GIT_COMMIT where set (a copy whose .git lags the tree, e.g. the device's)."""
+    if os.environ.get("SPECTER_GIT_COMMIT"):
+        return os.environ["SPECTER_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
                              text=True, timeout=10)

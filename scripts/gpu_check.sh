@@ -68,8 +68,8 @@ for step in "${STEPS[@]}"; do
                "experiment.k_values=[${DEPTH_KS:-4,8,12,16,24,32}]" warmup_tokens=32 \
                results_root="${REPORT_DIR:-.report}" resume=true > "$OUT/depth-$model-$mem.log" 2>&1 || rc=1
              grep -E " AVG |best K|error" "$OUT/depth-$model-$mem.log" || tail -n 3 "$OUT/depth-$model-$mem.log"
-           done; done
-           tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}" ;;  # unpack it in the repo to resume next time
+             tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}"  # after each run: unpack it in the repo to resume
+           done; done ;;
     report) rc=0
             for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
