@@ -86,7 +86,9 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "decode_h2d_mb_per_token": mean("decode_h2d_bytes") / mean("generated_tokens") / 1e6,
         "bytes_over_floor": (sum(r["decode_h2d_bytes"] for r in runs) / sum(r["io_floor_bytes"] for r in runs)
                              if "io_floor_bytes" in runs[0] else None),
-        "h2d_gbps": mean("h2d_gbps"), "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
+        "h2d_gbps": mean("h2d_gbps"),
+        "residual_decode_ms_per_token": mean("residual_decode_ms") / mean("generated_tokens"),
+        "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "moe_host_ms_per_token": (mean("verify_host_ms") - mean("verify_host_wait_ms")) / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
         "draft_step_ms": mean("draft_ms") / mean("draft_tokens") if runs[0].get("draft_tokens") else float("nan"),
@@ -203,7 +205,7 @@ def row_line(row: dict) -> str:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["system", "k", "tpot_ms", "acceptance", "hit_rate", "planned_miss_share", "h2d_mb_per_token",
-            "h2d_gbps", "wait_ms_per_token", "moe_host_ms_per_token",
+            "h2d_gbps", "residual_decode_ms_per_token", "wait_ms_per_token", "moe_host_ms_per_token",
             "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
             "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))

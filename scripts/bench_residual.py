@@ -1,9 +1,10 @@
 """Residual transfer on the GPU: is the rebuilt expert bit-exact, and is copy + decode faster than the raw copy?
 
-For one routed expert of each model (gate, up, down; seeded weights, RTN draft codes), in bf16 and fp16:
-the pinned host-to-device copy of the raw 16-bit expert, the copy of its residual stream, and the Triton
-decode (`specter.kernels.residual_decode.decode_rows`) into device memory, each timed with CUDA events
-(median of --repeats, after 2 warm-up calls). Correctness first: every decode is compared bit for bit with the original.
+For one routed expert of each model (gate_up, down; seeded weights, RTN draft codes), in bf16 and fp16:
+the pinned host-to-device copy of the raw 16-bit expert, the copy of its residual blob, and the Triton
+decode (`specter.kernels.residual_decode.decode_expert`, one launch) into device memory, each timed with
+CUDA events (median of --repeats, after 2 warm-up calls). Correctness first: every decode is compared bit
+for bit with the original.
 
     python scripts/bench_residual.py --models dsv2 qwen --out DIR
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -19,64 +19,50 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specter.kernels.residual_decode import decode_rows, stream_as_int32  # noqa: E402
+from specter.kernels.residual_decode import decode_expert  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
-from specter.quant.int4 import GROUP_SIZE, pack_codes, quantize_to_codes, symmetric_scales  # noqa: E402
-from specter.quant.residual import bits_of, encode  # noqa: E402
+from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
+from specter.quant.residual import bits_of  # noqa: E402
+from specter.quant.residual_expert import encode_expert, expert_layout  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_kernel", Path(__file__).resolve().parent / "bench_kernel.py")
 bench_kernel = sys.modules.setdefault("bench_kernel", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(bench_kernel)  # its median_ms: CUDA-event timing, each call from an idle device
 
 
-def expert_linears(name: str, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
-    """Seeded gate, up and down weights [out, in] of one routed expert of `name`."""
+def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
+    """(layout, flat weights, RTN drafts) of one seeded routed expert of `name` (gate_up, down)."""
     config = get_spec(name).hf_config
     hidden, inter = config["hidden_size"], config.get("moe_intermediate_size") or config["intermediate_size"]
+    layout = expert_layout(hidden, inter, GROUP_SIZE)
     gen = torch.Generator().manual_seed(seed)
-    return [(0.02 * torch.randn(shape, generator=gen)).to(dtype) for shape in ((inter, hidden), (inter, hidden),
-                                                                                (hidden, inter))]
+    weights = [(0.02 * torch.randn(shape, generator=gen)).to(dtype) for shape in layout.shapes]
+    return layout, torch.cat([w.flatten() for w in weights]), [quantize_rtn(w) for w in weights]
 
 
 def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
-    parts = []
-    for weight in expert_linears(name, dtype):
-        scales32 = symmetric_scales(weight)
-        codes = quantize_to_codes(weight, scales32)
-        scales = scales32.to(dtype)
-        encoded = encode(weight, codes, scales, GROUP_SIZE)
-        encoded = dataclasses.replace(encoded, margin_class=encoded.margin_class.cuda(),
-                                      word_start=encoded.word_start.cuda())  # resident with the draft
-        parts.append((weight, pack_codes(codes).cuda(), scales.cuda(), encoded,
-                      stream_as_int32(encoded.words).pin_memory()))
-    raw_host = torch.cat([w.flatten() for w, *_ in parts]).pin_memory()
-    raw_device = torch.empty_like(raw_host, device="cuda")
-    words_device = [torch.empty_like(words, device="cuda") for *_, words in parts]
-    for (weight, qweight, scales, encoded, words), device_words in zip(parts, words_device):
-        device_words.copy_(words)
-        rebuilt = decode_rows(encoded, qweight, scales, device_words)
-        if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weight)):
-            raise AssertionError(f"{name} {tuple(weight.shape)} {dtype}: the decoded weights differ")
+    layout, weights, drafts = expert_parts(name, dtype)
+    blob_host = encode_expert([w.view(shape) for w, shape in zip(weights.split([o * i for o, i in layout.shapes]),
+                                                                     layout.shapes)], drafts).pin_memory()
+    drafts = [d.to("cuda") for d in drafts]  # resident with the draft model
+    raw_host = weights.pin_memory()
+    raw_device, blob_device = torch.empty_like(raw_host, device="cuda"), torch.empty_like(blob_host, device="cuda")
+    blob_device.copy_(blob_host)
+    rebuilt = decode_expert(blob_device, layout, drafts, torch.empty_like(raw_device))
+    if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
+        raise AssertionError(f"{name} {dtype}: the decoded weights differ")
 
-    def copy_raw():
-        raw_device.copy_(raw_host, non_blocking=True)
-
-    def copy_residual():
-        for device_words, (*_, words) in zip(words_device, parts):
-            device_words.copy_(words, non_blocking=True)
-
-    def decode_all():
-        for (_, qweight, scales, encoded, _), device_words in zip(parts, words_device):
-            decode_rows(encoded, qweight, scales, device_words)
-
-    raw_ms, residual_ms, decode_ms = (bench_kernel.median_ms(f, 2, repeats, cuda=True)
-                                      for f in (copy_raw, copy_residual, decode_all))
-    raw_bytes = raw_host.numel() * 2
-    sent = sum(encoded.nbytes() for *_, encoded, _ in parts)
+    raw_ms, blob_ms, decode_ms = (bench_kernel.median_ms(f, 2, repeats, cuda=True) for f in (
+        lambda: raw_device.copy_(raw_host, non_blocking=True),
+        lambda: blob_device.copy_(blob_host, non_blocking=True),
+        lambda: decode_expert(blob_device, layout, drafts, raw_device)))
+    raw_bytes, sent = raw_host.numel() * 2, blob_host.numel() * 4
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),
-            "sent_mb": round(sent / 1e6, 3), "raw_copy_ms": round(raw_ms, 4), "residual_copy_ms": round(residual_ms, 4),
+            "sent_mb": round(sent / 1e6, 3), "bits_per_weight": round(8 * sent / weights.numel(), 2),
+            "raw_copy_ms": round(raw_ms, 4), "residual_copy_ms": round(blob_ms, 4),
             "decode_ms": round(decode_ms, 4), "decode_gbps": round(raw_bytes / decode_ms / 1e6, 1),
-            "copy_plus_decode_over_raw": round((residual_ms + decode_ms) / raw_ms, 3)}
+            "copy_plus_decode_over_raw": round((blob_ms + decode_ms) / raw_ms, 3),
+            "copy_over_raw": round(blob_ms / raw_ms, 3)}
 
 
 def main() -> None:

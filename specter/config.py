@@ -41,6 +41,9 @@ class SpecterConfig:
       so a copy never waits for the kernels still reading its victim (0: copies go into the victim's row).
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
+    residual_transfer: expert loads move the lossless residual of each 16-bit expert against the draft's
+      INT4 codes already on the GPU (about 0.55x of the bytes in bf16, 0.7x in fp16) and a GPU kernel
+      rebuilds the exact weights into the slot (specter.offload.residual_store).
     max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
       of the paper's protocol, 16 + 128 tokens, fits 256). Attention covers every position of it each
       step, and DeepSeek-V2 re-expands its MLA latent over all of them, so it is kept short.
@@ -62,6 +65,7 @@ class SpecterConfig:
     copy_streams: int = 1
     spare_rows: int = 4
     cuda_graph: bool = True
+    residual_transfer: bool = False
     max_cache_len: int = 256
 
     def __post_init__(self) -> None:
@@ -71,7 +75,7 @@ class SpecterConfig:
         _number(self, "temperature", "a finite number >= 0", lambda x: x >= 0)
         _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
         _integer(self, "seed", None)
-        for name in ("prefetch", "expert_wise", "cuda_graph"):
+        for name in ("prefetch", "expert_wise", "cuda_graph", "residual_transfer"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:

@@ -8,6 +8,7 @@ import torch
 
 from specter.batch.engine import generate_batch
 from specter.config import SpecterConfig
+from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.inputs import check_batch, check_prompt, is_batch
 from specter.kernels.moe_align import MoEWorkspace
@@ -15,6 +16,7 @@ from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT
 from specter.offload.draft_graph import DraftGraphCache
+from specter.offload.residual_store import residual_dtype_problem
 from specter.offload.runtime import OffloadConfig, serving
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import NoPrefetch, PrefetchPlanner, WindowPlan, early_read_layer
@@ -51,12 +53,13 @@ class SpecterEngine:
         self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()
         slots = self.config.resident_experts_per_layer
         self.offload_config = None if slots is None else OffloadConfig.of(self.config)
-        self.planner = self._planner()
+        self.unavailable = residual_transfer_problem(self.offload_config, model.dtype)
+        self.planner = NoPrefetch() if self.unavailable else self._planner()
         self.session = None  # the OffloadSession of the running call
         self.accounting = WindowAccounting()
 
     def available(self) -> tuple[bool, str]:
-        return True, ""
+        return (False, self.unavailable) if self.unavailable else (True, "")
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32,
@@ -65,6 +68,8 @@ class SpecterEngine:
 
         A batch (a list of prompts: token lists or tensors, any lengths) gives a list of results, one per
         request, decoded together (greedy; `specter.batch`)."""
+        if self.unavailable:
+            raise SpecterError(self.unavailable)
         with self._serving():
             vocab = self.model.vocab_size
             if is_batch(input_ids):
@@ -207,3 +212,8 @@ def _ended(tokens: list[int], eos: int | None) -> bool:
 
 def _cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def residual_transfer_problem(offload_config: OffloadConfig | None, dtype: torch.dtype) -> str:
+    """Why this engine cannot run with residual transfer ("" when it can, or when it does not use it)."""
+    return "" if offload_config is None or not offload_config.residual else residual_dtype_problem(dtype)

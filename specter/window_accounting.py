@@ -44,7 +44,7 @@ class WindowAccounting:
         if plan is not None:
             self.quality.add(plan.prefetched, routed)
         missing = sum(len(experts - self._resident_at_start[layer]) for layer, experts in routed.items())
-        self.io_floor_bytes += missing * self.session.store.expert_bytes
+        self.io_floor_bytes += missing * self.session.cache.load_bytes
         return routed
 
     def skip_window(self) -> None:

@@ -6,51 +6,67 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from specter.kernels.residual_decode import decode_rows, decode_rows_reference  # noqa: E402
+from specter.kernels.residual_decode import decode_expert, decode_expert_reference  # noqa: E402
 from specter.quant.gptq import gptq_quantize  # noqa: E402
-from specter.quant.int4 import GROUP_SIZE, pack_codes, quantize_to_codes, symmetric_scales, unpack_codes  # noqa: E402
-from specter.quant.residual import bits_of, encode  # noqa: E402
+from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
+from specter.quant.residual import bits_of  # noqa: E402
+from specter.quant.residual_expert import encode_expert, expert_layout, split_blob  # noqa: E402
 
 
 def test_interpreter_cases_in_subprocess():
-    """In a compiled-mode process (CUDA machine), the CPU interpreter cases run in a fresh interpreter."""
+    """In a compiled-mode process, the CPU interpreter cases run in a fresh interpreter."""
     run_interpreter_cases(__file__)
 
 
-def make_case(out: int, inputs: int, dtype: torch.dtype, draft: str, seed: int = 0):
-    """(encoded, qweight [in/8, out], scales [out, in/g] as stored, weight [out, in]) of seeded weights."""
-    gen = torch.Generator().manual_seed(seed)
+def linear(out: int, inputs: int, dtype: torch.dtype, group_size: int, draft: str, gen: torch.Generator):
+    """(W [out, in], its draft) of seeded weights with a zero group, a NaN (raw group) and a subnormal."""
     weight = (0.02 * torch.randn(out, inputs, generator=gen)).to(dtype)
-    weight[0, :GROUP_SIZE] = 0.0  # a zero group
-    weight[1, 3] = float("nan")  # a raw group
-    weight[2, 5] = torch.finfo(dtype).smallest_normal / 4  # a subnormal
+    weight[0, :group_size] = 0.0
+    weight[1, 3] = float("nan")
+    weight[2, 5] = torch.finfo(dtype).smallest_normal / 4
+    weight[3, 7] = -0.0
+    finite = torch.nan_to_num(weight)
     if draft == "gptq":
         x = torch.randn(4 * inputs, inputs, generator=gen)
-        packed = gptq_quantize(torch.nan_to_num(weight), x.T @ x)
-        qweight, scales = packed.qweight, packed.scales.transpose(0, 1)
-    else:
-        fp32_scales = symmetric_scales(torch.nan_to_num(weight))
-        qweight = pack_codes(quantize_to_codes(torch.nan_to_num(weight), fp32_scales))
-        scales = fp32_scales.to(dtype)
-    encoded = encode(weight, unpack_codes(qweight), scales, GROUP_SIZE)
-    return encoded, qweight, scales, weight
+        packed = gptq_quantize(finite, x.T @ x, group_size=group_size)
+        return weight, type(packed)(packed.qweight, packed.scales.to(dtype), group_size)
+    return weight, quantize_rtn(finite, group_size)
+
+
+def make_expert(hidden: int, intermediate: int, group_size: int, dtype: torch.dtype, draft: str, seed: int = 0):
+    """(layout, blob, drafts, flat weights) of one seeded expert."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = expert_layout(hidden, intermediate, group_size)
+    weights, drafts = zip(*(linear(o, i, dtype, group_size, draft, gen) for o, i in layout.shapes))
+    blob = encode_expert(list(weights), list(drafts))
+    return layout, blob, list(drafts), torch.cat([w.flatten() for w in weights])
+
+
+def test_blob_splits_back_into_its_linears():
+    layout, blob, drafts, _ = make_expert(64, 32, 32, torch.bfloat16, "rtn")
+    gate_up, down = split_blob(blob, layout, torch.bfloat16)
+    assert gate_up.margin_class.shape == (64, 2) and down.margin_class.shape == (64, 1)
+    assert int(gate_up.word_start[0, 0]) == 0 and int(down.word_start[0, 0]) == 0
+    assert layout.stream_word + gate_up.words.numel() + down.words.numel() == blob.numel()
 
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq"])
-def test_kernel_equals_the_reference_and_the_weights(dtype, draft):
-    encoded, qweight, scales, weight = make_case(8, 2 * GROUP_SIZE, dtype, draft)
-    rebuilt = decode_rows(encoded, qweight, scales)
-    assert torch.equal(bits_of(rebuilt), bits_of(decode_rows_reference(encoded, qweight, scales)))
-    assert torch.equal(bits_of(rebuilt), bits_of(weight))
+@pytest.mark.parametrize("shape", [(256, 128, GROUP_SIZE), (40, 24, 8)])  # 40 rows: a partial row tile
+def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape):
+    layout, blob, drafts, weights = make_expert(*shape, dtype, draft)
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights))
+    assert torch.equal(bits_of(rebuilt), bits_of(decode_expert_reference(blob, layout, drafts, dtype)))
+    assert torch.equal(bits_of(rebuilt), bits_of(weights))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq"])
-def test_kernel_rebuilds_a_dsv2_projection_on_cuda(dtype, draft):
-    encoded, qweight, scales, weight = make_case(1408, 2048, dtype, draft)
-    rebuilt = decode_rows(encoded, qweight.cuda(), scales.cuda())
-    assert torch.equal(bits_of(rebuilt.cpu()), bits_of(weight))
+def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft):
+    layout, blob, drafts, weights = make_expert(2048, 1408, GROUP_SIZE, dtype, draft)
+    drafts = [d.to("cuda") for d in drafts]
+    rebuilt = decode_expert(blob.cuda(), layout, drafts, torch.empty_like(weights, device="cuda"))
+    assert torch.equal(bits_of(rebuilt.cpu()), bits_of(weights))

@@ -138,3 +138,37 @@ def test_synthetic_build_straight_to_host_is_seeded_and_decodes():
     reference = TargetOnly(a, resident_experts_per_layer=8).generate(prompt(), 16).token_ids
     out = specter.SpecterEngine(a, specter.SpecterConfig(k=4, resident_experts_per_layer=2)).generate(prompt(), 16)
     assert out.token_ids == reference
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_residual_transfer_gives_the_same_tokens_with_fewer_bytes(tiny_name, dtype):
+    """Slots rebuilt from residual blobs hold the raw experts' bits, so every token and count agrees."""
+    runs = {}
+    for residual in (False, True):
+        model = specter.load_model(tiny_name, device="cpu", dtype=dtype)
+        config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, residual_transfer=residual)
+        runs[residual] = (specter.SpecterEngine(model, config).generate(prompt(), NEW), model)
+    (raw, _), (residual, model) = runs[False], runs[True]
+    assert residual.token_ids == raw.token_ids
+    loads = residual.stats["misses"] + residual.stats["wasted_loads"] + residual.stats["prefetch_loads"]
+    assert loads == raw.stats["misses"] + raw.stats["wasted_loads"] + raw.stats["prefetch_loads"]
+    assert residual.stats["residual_decodes"] == loads > 0 and raw.stats["residual_decodes"] == 0
+    store = model.offload.residuals
+    assert residual.stats["h2d_bytes"] < 0.75 * raw.stats["h2d_bytes"]
+    assert store.bits_per_weight() < (9.5 if dtype == torch.bfloat16 else 12.0)
+
+
+def test_residual_transfer_keeps_batches_lossless():
+    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2,
+                                                                residual_transfer=True))
+    prompts = [prompt().tolist()[0], prompt("def f(x):").tolist()[0]]
+    batch = engine.generate(prompts, 12)
+    assert [r.token_ids for r in batch] == [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts]
+    assert batch[0].stats["residual_decodes"] > 0
+
+
+def test_residual_transfer_needs_16_bit_experts():
+    config = specter.SpecterConfig(k=2, resident_experts_per_layer=1, residual_transfer=True)
+    with pytest.raises(specter.SpecterError, match="16-bit experts"):
+        specter.SpecterEngine(fresh("tiny"), config).generate(prompt(), 4)

@@ -1,23 +1,27 @@
-"""Exact 16-bit expert weights from the draft's INT4 codes plus residual bits (residual transfer), in Triton.
+"""Exact 16-bit expert weights from the draft's INT4 codes plus a residual blob (residual transfer), in Triton.
 
-`decode_rows` is a pure tensor function: one program per (output row, group) rebuilds that group's
-weights from the packed codes, the float32 scales, the group's margin class and word start, and the
-uint32 stream, with the same integer arithmetic as `specter.quant.residual.decode` (its torch reference).
+`decode_expert` is a pure tensor function: it writes an expert's flat weights (gate_up [2I, H], then down
+[H, I]) from its blob (`specter.quant.residual_expert`) and the draft's packed codes and scales, with the
+integer arithmetic of `specter.quant.residual.decode`; `decode_expert_reference` is its torch reference.
+One program rebuilds a tile of BLOCK_ROWS output rows x one group of one linear, reading the codes and
+scales in the draft's [in/8, out] and [in/g, out] layouts (coalesced along the rows).
 """
 from __future__ import annotations
 
 import torch
 
-from specter.quant.int4 import unpack_codes
-from specter.quant.residual import MARGINS, RAW_CLASS, ResidualTensor
-from specter.quant.residual import decode as decode_reference
+from specter.quant.int4 import Int4Linear
+from specter.quant.residual import MARGINS, RAW_CLASS, RAW_BITS
+from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_expert  # noqa: F401
+
+BLOCK_ROWS = 16
 
 try:
     import triton
     import triton.language as tl
 
     TRITON_AVAILABLE = True
-except ImportError:  # the module still imports; decode_rows raises RuntimeError
+except ImportError:  # the module still imports; decode_expert raises RuntimeError
     triton = tl = None
     TRITON_AVAILABLE = False
 
@@ -26,16 +30,16 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _truncated_key(value, IS_BF16: tl.constexpr):
-        """Order key of the 16-bit float nearest `value` (float32) toward zero (integer arithmetic)."""
-        b = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        """Order key of the 16-bit float nearest `value` (float32) toward zero (int32 arithmetic)."""
+        b = value.to(tl.int32, bitcast=True)
         if IS_BF16:
-            bits = b >> 16
+            bits = (b >> 16) & 0xFFFF
         else:
             sign = (b >> 16) & 0x8000
             exponent = ((b >> 23) & 0xFF) - 127
             mantissa = b & 0x7FFFFF
             normal = ((exponent + 15) << 10) | (mantissa >> 13)
-            sub_shift = tl.minimum(tl.maximum(-1 - exponent, 0), 63)
+            sub_shift = tl.minimum(tl.maximum(-1 - exponent, 0), 31)
             subnormal = tl.minimum((mantissa | 0x800000) >> sub_shift, 0x3FF)
             magnitude = tl.where(exponent > 15, 0x7C00,
                                  tl.where(exponent >= -14, normal, tl.where(exponent >= -25, subnormal, 0)))
@@ -43,64 +47,92 @@ if TRITON_AVAILABLE:
         return tl.where(bits >= 0x8000, 0xFFFF - bits, bits | 0x8000)
 
     @triton.jit
-    def _residual_decode_kernel(
-        qweight_ptr, scales_ptr, class_ptr, start_ptr, words_ptr, out_ptr,  # see decode_rows
-        out_features, groups, num_words,
-        M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
-        GROUP: tl.constexpr, IS_BF16: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        group = tl.program_id(1)
-        cols = group * GROUP + tl.arange(0, GROUP)  # [G] input columns
-        packed = tl.load(qweight_ptr + (cols // 8) * out_features + row)  # qweight [in/8, out]
-        q = ((packed >> ((cols % 8) * 4)) & 0xF).to(tl.float32) - 8.0
-        scale = tl.load(scales_ptr + row * groups + group)
-        margin_class = tl.load(class_ptr + row * groups + group).to(tl.int32)
+    def _bit_length(span):
+        """Bits needed for 0..span (span < 2^24, int32): from the exponent of its float32 value."""
+        exponent = (span.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+        return tl.where(span > 0, exponent + 1, 0)
+
+    @triton.jit
+    def _scale_of(scales_ptr, offsets, mask, IS_BF16: tl.constexpr):
+        """Float32 scales; bf16 arrives as its int16 pattern (widened by a shift, no float conversion)."""
+        if IS_BF16:
+            bits = tl.load(scales_ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
+            return (bits << 16).to(tl.float32, bitcast=True)
+        return tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _decode_tile(blob_ptr, class_ptr, out_ptr, qweight_ptr, scales_ptr, tile, out_features, in_features,
+                     group_base, out_base, stream_word, blob_words,
+                     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
+                     RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr):
+        groups = in_features // GROUP
+        group = tile % groups
+        rows = (tile // groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
+        row_ok = rows < out_features
+        cols = group * GROUP + tl.arange(0, GROUP)  # [G]
+        packed = tl.load(qweight_ptr + (cols // 8)[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
+                         other=0)  # [R, G], qweight [in/8, out]
+        q = ((packed >> ((cols % 8) * 4)[None, :]) & 0xF).to(tl.float32) - 8.0
+        scale = _scale_of(scales_ptr, group * out_features + rows, row_ok, IS_BF16)[:, None]  # scales [in/g, out]
+        index = group_base + rows * groups + group  # [R] the groups' indices in the blob
+        margin_class = tl.load(class_ptr + index, mask=row_ok, other=RAW).to(tl.int32)[:, None]
+        start = tl.load(blob_ptr + index, mask=row_ok, other=0)[:, None]
         margin = tl.where(margin_class == 0, M0, tl.where(margin_class == 1, M1, tl.where(margin_class == 2, M2, M3)))
         low = tl.maximum(_truncated_key((q - 0.5 - margin) * scale, IS_BF16) - 1, 0)
         high = tl.minimum(_truncated_key((q + 0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
-        span = tl.maximum(high - low, 0)
-        width = tl.zeros([GROUP], dtype=tl.int64)
-        for k in tl.static_range(16):  # bit length of span (< 2^16)
-            width += ((span >> k) > 0).to(tl.int64)
         raw = margin_class == RAW
-        width = tl.where(raw, 16, width)  # residual.RAW_BITS
-        offset = tl.load(start_ptr + row * groups + group) * 32 + tl.cumsum(width, 0) - width  # [G] bit offsets
-        word = offset >> 5
-        w0 = tl.load(words_ptr + word, mask=word < num_words, other=0).to(tl.int64) & 0xFFFFFFFF
-        w1 = tl.load(words_ptr + word + 1, mask=word + 1 < num_words, other=0).to(tl.int64) & 0xFFFFFFFF
-        value = ((w0 | (w1 << 32)) >> (offset & 31)) & ((tl.full([GROUP], 1, tl.int64) << width) - 1)
+        width = tl.where(raw, RAW_WIDTH, _bit_length(tl.maximum(high - low, 0)))  # [R, G]
+        within = tl.cumsum(width, axis=1) - width  # bit offset inside the group
+        word = stream_word + start + (within >> 5)
+        shift = (within & 31).to(tl.uint32)
+        w0 = tl.load(blob_ptr + word, mask=row_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+        w1 = tl.load(blob_ptr + word + 1, mask=row_ok[:, None] & (word + 1 < blob_words), other=0)
+        w1 = w1.to(tl.uint32, bitcast=True)
+        pair = (w0 >> shift) | ((w1 << 1) << (31 - shift))  # the 32 bits from the weight's offset
+        value = (pair & ((tl.full([BLOCK_ROWS, GROUP], 1, tl.uint32) << width.to(tl.uint32)) - 1)).to(tl.int32)
         key = low + value
         bits = tl.where(raw, value, tl.where(key >= 0x8000, key & 0x7FFF, 0xFFFF - key))
         bits = tl.where(bits >= 0x8000, bits - 0x10000, bits)  # the int16 pattern
-        tl.store(out_ptr + row * (groups * GROUP) + cols, bits.to(tl.int16))
+        tl.store(out_ptr + out_base + rows[:, None] * in_features + cols[None, :], bits.to(tl.int16),
+                 mask=row_ok[:, None])
+
+    @triton.jit
+    def _residual_decode_kernel(
+        blob_ptr, class_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+        out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, blob_words,
+        M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
+        RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        if tile < tiles0:  # linear 0 (gate_up)
+            _decode_tile(blob_ptr, class_ptr, out_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
+                         stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16)
+        else:  # linear 1 (down)
+            _decode_tile(blob_ptr, class_ptr, out_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
+                         group_base1, out_base1, stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
+                         BLOCK_ROWS, IS_BF16)
 
 
-def stream_as_int32(words: torch.Tensor) -> torch.Tensor:
-    """The uint32 stream (held in int64) as int32 bit patterns, the kernel's input."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+def _tiles(layout: BlobLayout, part: int) -> int:
+    out_features, in_features = layout.shapes[part]
+    return triton.cdiv(out_features, BLOCK_ROWS) * (in_features // layout.group_size)
 
 
-def decode_rows(encoded: ResidualTensor, qweight: torch.Tensor, scales: torch.Tensor,
-                words: torch.Tensor | None = None) -> torch.Tensor:
-    """W [out, in] of one linear, bit-exact: qweight [in/8, out] int32 (the draft's packed codes), scales
-    [out, in/g] (float32, or the stored dtype), `encoded` its residuals (`words`: the stream as int32 on
-    the device, default: converted from `encoded.words`)."""
+def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor) -> torch.Tensor:
+    """Write the expert's exact weights into `out` (flat, 16-bit, sum(out * in) elements: gate_up then down)
+    from `blob` (int32, on the device) and its linears' drafts (qweight [in/8, out], scales [in/g, out], as
+    stored); one launch on the current stream. Returns `out`."""
     if not TRITON_AVAILABLE:
-        raise RuntimeError("decode_rows needs Triton; specter.quant.residual.decode is the torch reference")
-    out_features, groups = encoded.margin_class.shape
-    device = qweight.device
-    words = stream_as_int32(encoded.words).to(device) if words is None else words
-    words = words if words.numel() else torch.zeros(1, dtype=torch.int32, device=device)
-    out = torch.empty(out_features, groups * encoded.group_size, dtype=torch.int16, device=device)
-    _residual_decode_kernel[(out_features, groups)](
-        qweight.contiguous(), scales.to(encoded.dtype).to(device=device, dtype=torch.float32).contiguous(),
-        encoded.margin_class.to(device).contiguous(), encoded.word_start.to(device).contiguous(), words, out,
-        out_features, groups, words.numel(), *MARGINS, RAW_CLASS, encoded.group_size,
-        encoded.dtype == torch.bfloat16)
-    return out.view(encoded.dtype)
-
-
-def decode_rows_reference(encoded: ResidualTensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The torch reference of `decode_rows` (same inputs)."""
-    return decode_reference(encoded, unpack_codes(qweight.cpu()), scales.cpu())
+        raise RuntimeError("decode_expert needs Triton; decode_expert_reference is the torch reference")
+    if len(drafts) != 2 or len(layout.shapes) != 2:
+        raise ValueError("decode_expert takes an expert's two linears (gate_up, down)")
+    is_bf16 = out.dtype == torch.bfloat16
+    scales = [d.scales if d.scales.dtype == out.dtype else d.scales.to(out.dtype) for d in drafts]  # as the reference
+    scales = [s.view(torch.int16) if is_bf16 else s for s in scales]
+    tiles0 = _tiles(layout, 0)
+    _residual_decode_kernel[(tiles0 + _tiles(layout, 1),)](
+        blob, blob.view(torch.uint8)[4 * layout.class_word:], out.view(torch.int16),
+        drafts[0].qweight, scales[0], drafts[1].qweight, scales[1],
+        *layout.shapes[0], *layout.shapes[1], tiles0, layout.group_base(1), layout.output_base(1),
+        layout.stream_word, blob.numel(), *MARGINS, RAW_CLASS, RAW_BITS, layout.group_size, BLOCK_ROWS, is_bf16)
+    return out

@@ -104,10 +104,11 @@ class ExpertCache:
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
-                 streams: DeviceStreams, policy, spare_rows: int) -> None:
+                 streams: DeviceStreams, policy, spare_rows: int, residuals=None) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
+        self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
         self.policy, self.spare_rows = policy, spare_rows
         rows = store.num_layers * slots_per_layer + spare_rows
         self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
@@ -128,6 +129,11 @@ class ExpertCache:
     def begin_window(self) -> None:
         """A decode window starts: forget which experts its evictions removed (for the reload counters)."""
         self.evicted_by: dict[tuple[int, int], str] = {}  # (layer, expert) -> cause of its eviction
+
+    @property
+    def load_bytes(self) -> float:
+        """Bytes one expert load moves over PCIe (the mean blob with residual transfer)."""
+        return self.store.expert_bytes if self.residuals is None else self.residuals.mean_blob_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -280,9 +286,12 @@ class ExpertCache:
             self.counters.count_reload(earlier)
         slots.expert_of[slot], slots.slot_of[expert], slots.loaded_by[slot] = expert, slot, reason
         target = self._swap_in_spare(slots, slot)
-        slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert),
-                                              after=target.last_use, demand=reason == DEMAND,
-                                              previous=target.ready)
+        waits = dict(after=target.last_use, demand=reason == DEMAND, previous=target.ready)
+        if self.residuals is None:
+            slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
+        else:
+            slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
+                                                          self.residuals.decoder(layer, expert), **waits)
         return slot
 
     def _swap_in_spare(self, slots: LayerSlots, slot: int) -> SpareRow:

@@ -15,6 +15,7 @@ from specter.kernels.moe_align import MoEWorkspace
 from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
+from specter.offload.residual_store import ResidualExpertStore
 from specter.offload.streams import DeviceStreams
 from specter.verify.residency import ResidencyManager, VerifyOptions
 
@@ -28,28 +29,32 @@ class OffloadConfig:
     policy: str = config_default("eviction")
     spare_rows: int = config_default("spare_rows")
     verify: VerifyOptions = field(default_factory=VerifyOptions)
+    residual: bool = config_default("residual_transfer")
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
         verify = VerifyOptions(config.expert_wise, config.verify_wave, config.load_ahead_layers, config.copy_streams)
-        return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, verify)
+        return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, verify,
+                   config.residual_transfer)
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once)."""
-        return offload_experts(model, self.slots, self.policy, self.spare_rows)
+        return offload_experts(model, self.slots, self.policy, self.spare_rows, self.residual)
 
 
 @dataclass
 class OffloadRuntime:
     """The model's offloaded experts: the host store, the copy streams, the slot cache, the target routing
     counts its eviction policy reads, and the residency manager that serves target forwards outside any
-    system's call (systems install their own for the duration of a call: `serving`)."""
+    system's call (systems install their own for the duration of a call: `serving`); `residuals`: the
+    residual store once a cache with residual transfer has been asked for (built once, kept)."""
 
     store: HostExpertStore
     streams: DeviceStreams
     cache: ExpertCache
     routing: RoutingCounts
     residency: ResidencyManager
+    residuals: ResidualExpertStore | None = None
 
 
 @dataclass
@@ -107,23 +112,29 @@ def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStor
 
 
 def offload_experts(model, slots: int, policy: str = config_default("eviction"),
-                    spare_rows: int = config_default("spare_rows")) -> OffloadRuntime:
+                    spare_rows: int = config_default("spare_rows"),
+                    residual: bool = config_default("residual_transfer")) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
-    slot count, policy or number of spare rows builds a new cache over the same store (the old one is
-    freed first). The runtime's own residency manager (default verification options) becomes every
-    layer's target executor.
+    slot count, policy, number of spare rows or transfer format builds a new cache over the same store
+    (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
+    on first use and kept). The runtime's own residency manager (default verification options) becomes
+    every layer's target executor.
     """
     if not 1 <= slots <= model.num_experts:
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
     runtime = model.offload
     cache = None if runtime is None else runtime.cache
-    key = (slots, policy, spare_rows)
-    if cache is not None and (cache.slots_per_layer, cache.policy.name, cache.spare_rows) == key:
+    key = (slots, policy, spare_rows, residual)
+    if cache is not None and (cache.slots_per_layer, cache.policy.name, cache.spare_rows,
+                              cache.residuals is not None) == key:
         return runtime
     if model.host_store is None:
         model.host_store = move_experts_to_store(model)
+    residuals = None if runtime is None else runtime.residuals
+    if residual and residuals is None:
+        residuals = ResidualExpertStore.build(model.host_store, model.experts)
     if runtime is None:
         streams = DeviceStreams(model.device)
     else:
@@ -131,9 +142,10 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
         runtime.cache.free()  # free the old slots before allocating the new ones
         release_device_memory()
     routing = RoutingCounts()
-    cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows)
+    cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows,
+                        residuals if residual else None)
     residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
-    runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency)
+    runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals)
     for module in model.experts:
         module.target_executor = residency
     model.offload = runtime

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+STAGING_BUFFERS = 2  # device buffers a residual blob lands in before its decode (one in flight, one decoding)
 
 class CopyRecord(NamedTuple):
     """One expert copy: its start and end (events on CUDA, perf_counter on CPU), bytes, and the event it
@@ -32,9 +33,13 @@ class DeviceStreams:
             self.device = torch.device("cuda", torch.cuda.current_device())  # device lookup (per call)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
+        self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # residual decodes
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
+        self._staging: list[list] = [[None, None] for _ in range(STAGING_BUFFERS)]  # [device buffer, free event]
+        self._staged = 0  # residual copies issued (picks the staging buffer)
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
         self._copies: list[CopyRecord] = []
+        self._decodes: list[tuple] = []  # (start, end) of each residual decode
 
     def record(self):
         """An event on the compute stream marking work enqueued so far (None on CPU)."""
@@ -85,6 +90,53 @@ class DeviceStreams:
         self._copies.append(CopyRecord(start, ready, nbytes, after))
         return ready
 
+    def copy_decoded(self, dst: torch.Tensor, blob: torch.Tensor, decode, after=None, demand: bool = False,
+                     previous=None):
+        """dst <- decode(blob on the device, dst) (a residual load); returns its ready event.
+
+        The blob crosses PCIe on the copy stream into a staging buffer (one of STAGING_BUFFERS, reused once
+        the decode that read it has ended), without waiting for dst's row: the decode stream waits for the
+        blob, for `after` (the row's last use) and `previous` (the row's last copy), then decodes into dst.
+        On CPU `decode` reads the host blob directly, synchronously.
+        """
+        nbytes = blob.numel() * blob.element_size()
+        if not self.cuda:
+            start = time.perf_counter()
+            decode(blob, dst)
+            span = (start, time.perf_counter())
+            self._copies.append(CopyRecord(*span, nbytes))
+            self._decodes.append(span)
+            if demand:
+                self._stalls.append(span)
+            return None
+        staging = self._staging[self._staged % STAGING_BUFFERS]
+        self._staged += 1
+        if staging[0] is None or staging[0].numel() < blob.numel():
+            staging[0] = torch.empty(blob.numel(), dtype=blob.dtype, device=self.device)
+        start, arrived, decoding, ready = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+        compute = self.compute_stream()
+        try:
+            torch.cuda.set_stream(self.copy_stream)
+            if staging[1] is not None:
+                self.copy_stream.wait_event(staging[1])  # the decode that read this buffer last
+            start.record(self.copy_stream)
+            staged = staging[0][:blob.numel()]
+            staged.copy_(blob, non_blocking=True)
+            arrived.record(self.copy_stream)
+            torch.cuda.set_stream(self.decode_stream)
+            for event in (arrived, after, previous):
+                if event is not None:
+                    self.decode_stream.wait_event(event)
+            decoding.record(self.decode_stream)
+            decode(staged, dst)
+            ready.record(self.decode_stream)
+        finally:
+            torch.cuda.set_stream(compute)
+        staging[1] = ready
+        self._copies.append(CopyRecord(start, arrived, nbytes, after))
+        self._decodes.append((decoding, ready))
+        return ready
+
     def wait(self, ready) -> None:
         """Make the compute stream wait for a copy (no host sync); the stall is timed with two events."""
         self.wait_all([ready])
@@ -129,9 +181,10 @@ class DeviceStreams:
             self.compute_stream().synchronize()
             self.copy_stream.synchronize()
             self.waiting_stream.synchronize()
+            self.decode_stream.synchronize()
 
     def reset_stats(self) -> None:
-        self._stalls, self._copies = [], []
+        self._stalls, self._copies, self._decodes = [], [], []
 
     def stats(self) -> dict:
         """H2D bytes, copy busy time, achieved GB/s and compute stall time (the host waits here, once)."""
@@ -144,6 +197,8 @@ class DeviceStreams:
             "h2d_busy_ms": copy_ms,
             "h2d_gbps": nbytes / copy_ms / 1e6 if copy_ms > 0 else float("nan"),
             "wait_ms": sum(_elapsed_ms(a, b) for a, b in self._stalls),
+            "residual_decodes": len(self._decodes),
+            "residual_decode_ms": sum(_elapsed_ms(a, b) for a, b in self._decodes),
         }
 
     def copied_bytes(self) -> int:

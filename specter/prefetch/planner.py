@@ -137,7 +137,7 @@ class PrefetchPlanner:
         batch = self._issue(rows, self._capacity(min(self.prefetch_chunk, self.trace.k - drafted)))
         full = all(len(planned & self.cache.resident_experts(layer)) >= self.cache.slots_per_layer
                    for layer, planned in self.trace.planned.items())
-        chunk = self.cost.chunk_tokens(batch * self.cache.store.expert_bytes)
+        chunk = self.cost.chunk_tokens(batch * self.cache.load_bytes)
         self.next_boundary = drafted + min(chunk, self.prefetch_chunk)  # at most one sync per draft token
         self.phase = FINAL_CLEANUP if full or self.next_boundary >= self.trace.k else PREFETCH_OVERLAP
         self.trace.boundaries.append(drafted)
@@ -155,7 +155,7 @@ class PrefetchPlanner:
     def _capacity(self, tokens: float) -> int:
         """Experts whose transfer `tokens` draft steps can hide (rounded up: the copy stream never idles)."""
         hidden_ms = tokens * self.cost.draft_ms_per_token
-        return max(1, math.ceil(hidden_ms * self.cost.h2d_bytes_per_ms / self.cache.store.expert_bytes))
+        return max(1, math.ceil(hidden_ms * self.cost.h2d_bytes_per_ms / self.cache.load_bytes))
 
     def _issue(self, rows: Rows, capacity: int) -> int:
         """Prefetch up to `capacity` planned experts, most routed first (`issue_prefetches`), keeping every

@@ -119,7 +119,7 @@ def intervals(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, gro
 
 def class_margins(margin_class: torch.Tensor) -> torch.Tensor:
     """The margin of each group's class (RAW_CLASS: 0, unused)."""
-    return torch.tensor((*MARGINS, 0.0), dtype=torch.float32)[margin_class.long()]
+    return torch.tensor((*MARGINS, 0.0), dtype=torch.float32, device=margin_class.device)[margin_class.long()]
 
 
 def group_widths(width: torch.Tensor, raw: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -142,9 +142,10 @@ def layout(width: torch.Tensor, raw: torch.Tensor, group_size: int) -> tuple[tor
 def choose_classes(keys: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                    group_size: int) -> torch.Tensor:
     """Each group's smallest margin class whose intervals hold all its weights (else RAW_CLASS)."""
-    chosen = torch.full(scales.shape, RAW_CLASS, dtype=torch.uint8)
+    chosen = torch.full(scales.shape, RAW_CLASS, dtype=torch.uint8, device=scales.device)
     for index in reversed(range(len(MARGINS))):
-        low, width = intervals(codes, scales, dtype, group_size, torch.full(scales.shape, MARGINS[index]))
+        margin = torch.full(scales.shape, MARGINS[index], device=scales.device)
+        low, width = intervals(codes, scales, dtype, group_size, margin)
         residual = keys - low
         inside = (residual >= 0) & (residual < (1 << width.to(torch.int64)))  # [..., out, in]
         chosen[inside.unflatten(-1, (-1, group_size)).all(-1)] = index
@@ -161,7 +162,7 @@ def encode(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     low, width = intervals(codes, scales, weight.dtype, group_size, class_margins(margin_class))
     value = torch.where(raw.repeat_interleave(group_size, dim=-1), bits, keys - low).to(torch.int64)
     word_start, offsets, total = layout(width, raw, group_size)
-    words = torch.zeros(total + 1, dtype=torch.int64)  # one spare word: a value may spill into the next
+    words = torch.zeros(total + 1, dtype=torch.int64, device=weight.device)  # one spare word: a value may spill into the next
     word, shift = (offsets // WORD).flatten(), (offsets % WORD).flatten()
     shifted = value.flatten() << shift  # < 2^48: this word and maybe the next
     words.index_add_(0, word, shifted & 0xFFFFFFFF)  # residuals never overlap: adding is OR
@@ -174,13 +175,18 @@ def decode(encoded: ResidualTensor, codes: torch.Tensor, scales: torch.Tensor) -
     low, width = intervals(codes, scales, encoded.dtype, encoded.group_size, class_margins(encoded.margin_class))
     _, offsets, _ = layout(width, encoded.raw, encoded.group_size)
     widths = group_widths(width, encoded.raw, encoded.group_size).to(torch.int64)
-    words = torch.cat([encoded.words, torch.zeros(2, dtype=torch.int64)])
+    words = torch.cat([encoded.words, encoded.words.new_zeros(2)])
     word, shift = offsets // WORD, offsets % WORD
     pair = words[word] | (words[word + 1] << WORD)  # 64 bits starting at the weight's word
     value = ((pair >> shift) & ((1 << widths) - 1)).to(torch.int32)
     raw = encoded.raw.repeat_interleave(encoded.group_size, dim=-1)
     bits = torch.where(raw, value, keys_to_bits(low + value))
     return from_bits(bits, encoded.dtype)
+
+
+def stream_as_int32(words: torch.Tensor) -> torch.Tensor:
+    """The uint32 stream (held in int64) as int32 bit patterns, the layout the GPU kernel reads."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def mean_bits(encoded: ResidualTensor, weights: int) -> float:

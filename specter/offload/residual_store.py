@@ -1,0 +1,90 @@
+"""Residual store: every offloaded expert as a residual blob against the draft's INT4 codes, in (pinned) host memory.
+
+Built once from the host store's 16-bit experts and the draft weights already on the device
+(`specter.quant.residual_expert`); a cache load then moves the blob instead of the raw expert, and
+`decode` rebuilds the exact weights into the slot from the blob and the draft's codes.
+"""
+from __future__ import annotations
+
+import torch
+
+from specter.errors import SpecterError
+from specter.kernels.residual_decode import TRITON_AVAILABLE, decode_expert
+from specter.offload.host_store import HostExpertStore
+from specter.offload.streams import pin
+from specter.quant.int4 import Int4Linear, select_expert
+from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_expert, expert_layout
+
+
+def residual_dtype_problem(dtype: torch.dtype) -> str:
+    """Why experts of `dtype` cannot move as residuals ("" if they can)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return ""
+    return f"residual_transfer needs 16-bit experts (float16 or bfloat16); this model's are {str(dtype)[6:]}"
+
+
+class ResidualExpertStore:
+    """Per MoE layer one flat int32 host buffer of its experts' blobs (expert e at `offsets[layer][e]`).
+
+    `drafts[layer]` is the layer's (gate_up, down) INT4 draft (stacked over experts, on the device), the
+    codes every blob is encoded against; the draft model keeps them resident, so nothing of them moves.
+    """
+
+    def __init__(self, layout: BlobLayout, dtype: torch.dtype, drafts: list[tuple[Int4Linear, Int4Linear]],
+                 buffers: list[torch.Tensor], offsets: list[list[int]]) -> None:
+        self.layout, self.dtype, self.drafts = layout, dtype, drafts
+        self.buffers, self.offsets = buffers, offsets
+        self.use_kernel = TRITON_AVAILABLE and drafts[0][0].qweight.is_cuda
+
+    @classmethod
+    def build(cls, store: HostExpertStore, experts: list) -> ResidualExpertStore:
+        """Encode every expert of `store` against its layer's draft (`experts`: the model's HybridExperts, in
+        order), on the drafts' device, one expert at a time; blobs pinned when that device is a GPU."""
+        if residual_dtype_problem(store.dtype):
+            raise SpecterError(residual_dtype_problem(store.dtype))
+        layout = expert_layout(store.hidden, store.intermediate, experts[0].group_size)
+        drafts = [(module.draft_gate_up, module.draft_down) for module in experts]
+        device = drafts[0][0].qweight.device
+        buffers, offsets = [], []
+        for layer, (gate_up_draft, down_draft) in enumerate(drafts):
+            gate_up, down = store.layer_weights(layer)  # [E, 2I, H], [E, H, I]
+            blobs = [encode_expert([gate_up[e].to(device), down[e].to(device)],
+                                   [select_expert(gate_up_draft, e), select_expert(down_draft, e)]).cpu()
+                     for e in range(store.num_experts)]
+            sizes = [blob.numel() for blob in blobs]
+            offsets.append([sum(sizes[:e]) for e in range(len(sizes) + 1)])
+            buffers.append(pin(torch.cat(blobs), device))
+        return cls(layout, store.dtype, drafts, buffers, offsets)
+
+    def blob(self, layer: int, expert: int) -> torch.Tensor:
+        """The expert's blob [n] int32 (a view into the layer's host buffer)."""
+        start, end = self.offsets[layer][expert], self.offsets[layer][expert + 1]
+        return self.buffers[layer][start:end]
+
+    @property
+    def max_blob_words(self) -> int:
+        return max(b - a for offsets in self.offsets for a, b in zip(offsets, offsets[1:]))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(buffer.numel() * 4 for buffer in self.buffers)
+
+    @property
+    def mean_blob_bytes(self) -> float:
+        """Bytes one residual load moves, on average over the store's experts."""
+        return self.total_bytes / sum(len(offsets) - 1 for offsets in self.offsets)
+
+    def bits_per_weight(self) -> float:
+        weights = sum(o * i for o, i in self.layout.shapes)
+        return 8 * self.mean_blob_bytes / weights
+
+    def decoder(self, layer: int, expert: int):
+        """decode(blob on the compute device, flat 16-bit slot row) -> that row, for one expert: the Triton
+        kernel on CUDA, the torch reference elsewhere."""
+        drafts = [select_expert(draft, expert) for draft in self.drafts[layer]]
+
+        def decode(blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            if self.use_kernel:
+                return decode_expert(blob, self.layout, drafts, out)
+            return out.copy_(decode_expert_reference(blob, self.layout, drafts, self.dtype))
+        return decode
