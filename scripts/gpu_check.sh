@@ -8,7 +8,8 @@
 # OFFLOAD_VARIANTS (default: no spare rows, 8 spare rows, no early read, the defaults again), each row
 # printed as measured, with a host profile, then qwen K=8 in full.
 # depth: experiment=depth (Specter's TPOT per K, best K to best_k.json for k=auto) on MODELS x MEMS, DEPTH_KS
-# (default 4,8,12,16,24,32), DEPTH_PROMPTS (default 1) per dataset, into REPORT_DIR/depth/<model>-<mem>.
+# (default 4,8,12,16,24,32), DEPTH_PROMPTS (default 1) per dataset, into REPORT_DIR/depth/<model>-<mem>
+# (RESUME=force continues runs whose config differs only by options added since, at their defaults).
 # report: the harness with every system on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS (default 1), TF_CAP
 # (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8 or k=auto, which
@@ -66,7 +67,7 @@ for step in "${STEPS[@]}"; do
              timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main experiment=depth model="$model" mem="$mem" \
                model.weights="${WEIGHTS:-synthetic}" dataset=all num_prompts="${DEPTH_PROMPTS:-1}" repeats=1 \
                "experiment.k_values=[${DEPTH_KS:-4,8,12,16,24,32}]" warmup_tokens=32 \
-               results_root="${REPORT_DIR:-.report}" resume=true > "$OUT/depth-$model-$mem.log" 2>&1 || rc=1
+               results_root="${REPORT_DIR:-.report}" resume="${RESUME:-true}" > "$OUT/depth-$model-$mem.log" 2>&1 || rc=1
              grep -E " AVG |best K|error" "$OUT/depth-$model-$mem.log" || tail -n 3 "$OUT/depth-$model-$mem.log"
              tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}"  # after each run: unpack it in the repo to resume
            done; done ;;

@@ -119,3 +119,9 @@ def test_the_bits_script_measures_a_tiny_expert(monkeypatch):
     row = script.measure("dsv2", torch.bfloat16, "laplace", "gptq")
     assert 0.5 < row["sent_over_raw"] < 1.0 and row["margin_class_shares"].count(" ") == 4
     assert script.measure("dsv2", torch.float16, "normal", "rtn")["margin_class_shares"].startswith("1.000")
+
+
+def test_bit_length_is_exact_for_every_span():
+    from specter.quant.residual import bit_length
+    spans = torch.arange(1 << 17, dtype=torch.int32)
+    assert bit_length(spans).tolist() == [int(s).bit_length() for s in range(1 << 17)]

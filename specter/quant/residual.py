@@ -113,8 +113,14 @@ def intervals(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, gro
     low = bound_key((q - 0.5 - m) * s, dtype, up=False)  # q - 0.5 - m is exact in float32
     high = bound_key((q + 0.5 + m) * s, dtype, up=True)
     span = (high - low).clamp_min(0)  # keys low .. high: span + 1 values
-    width = torch.where(span > 0, torch.floor(torch.log2(span.double())).to(torch.int32) + 1, 0)
-    return low, width.clamp(0, RAW_BITS)
+    return low, bit_length(span).clamp(0, RAW_BITS)
+
+
+def bit_length(span: torch.Tensor) -> torch.Tensor:
+    """Bits needed for 0..span (int32 span < 2^24), exactly: the exponent of span's float32 value (a log2
+    of it can round below an integer on some devices)."""
+    exponent = (span.to(torch.float32).view(torch.int32) >> 23) - 127
+    return torch.where(span > 0, exponent + 1, 0)
 
 
 def class_margins(margin_class: torch.Tensor) -> torch.Tensor:
