@@ -3,8 +3,9 @@
 For one routed expert of each model (gate_up, down; seeded weights, RTN draft codes), in bf16 and fp16:
 the pinned host-to-device copy of the raw 16-bit expert, the copy of its residual blob, and the Triton
 decode (`specter.kernels.residual_decode.decode_expert`, one launch) into device memory, each timed with
-CUDA events (median of --repeats, after 2 warm-up calls). Correctness first: every decode is compared bit
-for bit with the original.
+CUDA events (median of --repeats, after 2 warm-up calls); and the host's time to issue one load through
+the offload runtime's streams, raw and residual. Correctness first: every decode is compared bit for bit
+with the original.
 
     python scripts/bench_residual.py --models dsv2 qwen --out DIR
 """
@@ -14,13 +15,15 @@ import argparse
 import csv
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specter.kernels.residual_decode import decode_expert  # noqa: E402
+from specter.kernels.residual_decode import DecodePlan, decode_expert, expert_operands, launch_decode  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
+from specter.offload.streams import DeviceStreams  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
 from specter.quant.residual import bits_of  # noqa: E402
 from specter.quant.residual_expert import encode_expert, expert_layout  # noqa: E402
@@ -57,12 +60,37 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
         lambda: blob_device.copy_(blob_host, non_blocking=True),
         lambda: decode_expert(blob_device, layout, drafts, raw_device)))
     raw_bytes, sent = raw_host.numel() * 2, blob_host.numel() * 4
+    host_raw_us, host_residual_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),
             "sent_mb": round(sent / 1e6, 3), "bits_per_weight": round(8 * sent / weights.numel(), 2),
             "raw_copy_ms": round(raw_ms, 4), "residual_copy_ms": round(blob_ms, 4),
             "decode_ms": round(decode_ms, 4), "decode_gbps": round(raw_bytes / decode_ms / 1e6, 1),
             "copy_plus_decode_over_raw": round((blob_ms + decode_ms) / raw_ms, 3),
-            "copy_over_raw": round(blob_ms / raw_ms, 3)}
+            "copy_over_raw": round(blob_ms / raw_ms, 3),
+            "host_us_per_raw_load": round(host_raw_us, 1), "host_us_per_residual_load": round(host_residual_us, 1)}
+
+
+def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32) -> tuple:
+    """Host microseconds to issue one load through the offload runtime's streams (`DeviceStreams.copy` of the
+    raw expert; `copy_decoded` of the blob with the prepared decode launch), median over `loads` loads."""
+    streams = DeviceStreams(torch.device("cuda"))
+    rows = torch.empty(2, raw_host.numel(), dtype=dtype, device="cuda")
+    plan, operands = DecodePlan.of(layout, dtype), expert_operands(drafts, dtype)
+    decode = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
+    issue = {"raw": lambda row: streams.copy(row, raw_host),
+             "residual": lambda row: streams.copy_decoded(row, blob_host, decode)}
+    medians = []
+    for name in ("raw", "residual"):
+        issue[name](rows[0])  # first use (allocations, compilation)
+        streams.synchronize()
+        times = []
+        for i in range(loads):
+            start = time.perf_counter()
+            issue[name](rows[i % 2])
+            times.append((time.perf_counter() - start) * 1e6)
+        streams.synchronize()
+        medians.append(sorted(times)[len(times) // 2])
+    return tuple(medians)
 
 
 def main() -> None:

@@ -70,3 +70,19 @@ def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft):
     drafts = [d.to("cuda") for d in drafts]
     rebuilt = decode_expert(blob.cuda(), layout, drafts, torch.empty_like(weights, device="cuda"))
     assert torch.equal(bits_of(rebuilt.cpu()), bits_of(weights))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_rebuilds_a_tiny_models_offloaded_experts(dtype):
+    """The launch the copy path makes (prepared plan and operands) on a residual store's blobs."""
+    import specter
+    from specter.kernels.residual_decode import DecodePlan, expert_operands, launch_decode
+    from specter.offload.runtime import offload_experts
+
+    runtime = offload_experts(specter.load_model("tiny-qwen", device="cpu", dtype=dtype), 2, residual=True)
+    residuals, plan = runtime.residuals, DecodePlan.of(runtime.residuals.layout, dtype)
+    for layer, expert in [(0, 0), (0, 5), (1, 7)]:
+        operands = expert_operands(residuals.expert_drafts(layer, expert), dtype)
+        rebuilt = launch_decode(plan, operands, residuals.blob(layer, expert), torch.empty(runtime.store.numel, dtype=dtype))
+        assert torch.equal(bits_of(rebuilt), bits_of(runtime.store.expert(layer, expert)))

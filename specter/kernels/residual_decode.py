@@ -8,6 +8,8 @@ scales in the draft's [in/8, out] and [in/g, out] layouts (coalesced along the r
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specter.quant.int4 import Int4Linear
@@ -98,24 +100,58 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _residual_decode_kernel(
-        blob_ptr, class_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-        out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, blob_words,
+        blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+        out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, class_byte, blob_words,
         M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
     ):
         tile = tl.program_id(0)
+        class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
+        bits_ptr = out_ptr.to(tl.pointer_type(tl.int16))  # the 16-bit patterns of the weights
         if tile < tiles0:  # linear 0 (gate_up)
-            _decode_tile(blob_ptr, class_ptr, out_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
+            _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
                          stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16)
         else:  # linear 1 (down)
-            _decode_tile(blob_ptr, class_ptr, out_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
+            _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
                          group_base1, out_base1, stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
                          BLOCK_ROWS, IS_BF16)
 
 
-def _tiles(layout: BlobLayout, part: int) -> int:
-    out_features, in_features = layout.shapes[part]
-    return triton.cdiv(out_features, BLOCK_ROWS) * (in_features // layout.group_size)
+@dataclass(frozen=True)
+class DecodePlan:
+    """What every decode launch of one model's experts shares: the grid and the blob layout's integers."""
+
+    grid: tuple[int]
+    layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, class_byte
+    group_size: int
+    is_bf16: bool
+
+    @classmethod
+    def of(cls, layout: BlobLayout, dtype: torch.dtype) -> DecodePlan:
+        if len(layout.shapes) != 2:
+            raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
+        tiles = [_cdiv(o, BLOCK_ROWS) * (i // layout.group_size) for o, i in layout.shapes]
+        args = (*layout.shapes[0], *layout.shapes[1], tiles[0], layout.group_base(1), layout.output_base(1),
+                layout.stream_word, 4 * layout.class_word)
+        return cls((sum(tiles),), args, layout.group_size, dtype == torch.bfloat16)
+
+
+def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(qweight0, scales0, qweight1, scales1) of an expert's drafts as the kernel reads them: scales in the
+    weights' `dtype` (as the reference rounds them), bf16 ones as their int16 patterns."""
+    operands = []
+    for draft in drafts:
+        scales = draft.scales if draft.scales.dtype == dtype else draft.scales.to(dtype)
+        operands += [draft.qweight, scales.view(torch.int16) if dtype == torch.bfloat16 else scales]
+    return tuple(operands)
+
+
+def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:
+    """One decode launch on the current stream (`decode_expert` with its plan and operands prepared)."""
+    _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), *MARGINS, RAW_CLASS,
+                                       RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16)
+    return out
 
 
 def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor) -> torch.Tensor:
@@ -124,15 +160,8 @@ def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linea
     stored); one launch on the current stream. Returns `out`."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("decode_expert needs Triton; decode_expert_reference is the torch reference")
-    if len(drafts) != 2 or len(layout.shapes) != 2:
-        raise ValueError("decode_expert takes an expert's two linears (gate_up, down)")
-    is_bf16 = out.dtype == torch.bfloat16
-    scales = [d.scales if d.scales.dtype == out.dtype else d.scales.to(out.dtype) for d in drafts]  # as the reference
-    scales = [s.view(torch.int16) if is_bf16 else s for s in scales]
-    tiles0 = _tiles(layout, 0)
-    _residual_decode_kernel[(tiles0 + _tiles(layout, 1),)](
-        blob, blob.view(torch.uint8)[4 * layout.class_word:], out.view(torch.int16),
-        drafts[0].qweight, scales[0], drafts[1].qweight, scales[1],
-        *layout.shapes[0], *layout.shapes[1], tiles0, layout.group_base(1), layout.output_base(1),
-        layout.stream_word, blob.numel(), *MARGINS, RAW_CLASS, RAW_BITS, layout.group_size, BLOCK_ROWS, is_bf16)
-    return out
+    return launch_decode(DecodePlan.of(layout, out.dtype), expert_operands(drafts, out.dtype), blob, out)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

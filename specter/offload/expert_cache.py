@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from functools import partial
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -291,7 +292,7 @@ class ExpertCache:
             slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
         else:
             slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
-                                                          self.residuals.decoder(layer, expert), **waits)
+                                                          partial(self.residuals.decode, layer, expert), **waits)
         return slot
 
     def _swap_in_spare(self, slots: LayerSlots, slot: int) -> SpareRow:

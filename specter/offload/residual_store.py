@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from specter.errors import SpecterError
-from specter.kernels.residual_decode import TRITON_AVAILABLE, decode_expert
+from specter.kernels.residual_decode import TRITON_AVAILABLE, DecodePlan, expert_operands, launch_decode
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import pin
 from specter.quant.int4 import Int4Linear, select_expert
@@ -35,6 +35,10 @@ class ResidualExpertStore:
         self.layout, self.dtype, self.drafts = layout, dtype, drafts
         self.buffers, self.offsets = buffers, offsets
         self.use_kernel = TRITON_AVAILABLE and drafts[0][0].qweight.is_cuda
+        # Each load's launch arguments, prepared once: the plan, and per expert its drafts' views.
+        self.plan = DecodePlan.of(layout, dtype) if self.use_kernel else None
+        self.operands = [[expert_operands(self.expert_drafts(layer, e), dtype) for e in range(len(offsets[layer]) - 1)]
+                         for layer in range(len(drafts))] if self.use_kernel else None
 
     @classmethod
     def build(cls, store: HostExpertStore, experts: list) -> ResidualExpertStore:
@@ -78,13 +82,12 @@ class ResidualExpertStore:
         weights = sum(o * i for o, i in self.layout.shapes)
         return 8 * self.mean_blob_bytes / weights
 
-    def decoder(self, layer: int, expert: int):
-        """decode(blob on the compute device, flat 16-bit slot row) -> that row, for one expert: the Triton
-        kernel on CUDA, the torch reference elsewhere."""
-        drafts = [select_expert(draft, expert) for draft in self.drafts[layer]]
+    def expert_drafts(self, layer: int, expert: int) -> list[Int4Linear]:
+        return [select_expert(draft, expert) for draft in self.drafts[layer]]
 
-        def decode(blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            if self.use_kernel:
-                return decode_expert(blob, self.layout, drafts, out)
-            return out.copy_(decode_expert_reference(blob, self.layout, drafts, self.dtype))
-        return decode
+    def decode(self, layer: int, expert: int, blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The expert's exact weights into `out` (a flat 16-bit slot row) from its blob on the compute device:
+        the Triton kernel on CUDA, the torch reference elsewhere."""
+        if self.use_kernel:
+            return launch_decode(self.plan, self.operands[layer][expert], blob, out)
+        return out.copy_(decode_expert_reference(blob, self.layout, self.expert_drafts(layer, expert), self.dtype))
