@@ -33,6 +33,11 @@ bench_kernel = sys.modules.setdefault("bench_kernel", importlib.util.module_from
 _spec.loader.exec_module(bench_kernel)  # its median_ms: CUDA-event timing, each call from an idle device
 
 
+DECODE_VARIANTS = {  # the kernel's grid cap and interval tables (DecodePlan)
+    "table": dict(code_table=True), "table_32_programs": dict(code_table=True, programs=32),
+    "table_66_programs": dict(code_table=True, programs=66), "per_weight_32_programs": dict(programs=32)}
+
+
 def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     """(layout, flat weights, RTN drafts) of one seeded routed expert of `name` (gate_up, down)."""
     config = get_spec(name).hf_config
@@ -55,10 +60,17 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
         raise AssertionError(f"{name} {dtype}: the decoded weights differ")
 
+    for variant in DECODE_VARIANTS.values():  # each variant bit-exact too
+        rebuilt = decode_expert(blob_device, layout, drafts, torch.empty_like(raw_device), **variant)
+        if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
+            raise AssertionError(f"{name} {dtype} {variant}: the decoded weights differ")
     raw_ms, blob_ms, decode_ms = (bench_kernel.median_ms(f, 2, repeats, cuda=True) for f in (
         lambda: raw_device.copy_(raw_host, non_blocking=True),
         lambda: blob_device.copy_(blob_host, non_blocking=True),
         lambda: decode_expert(blob_device, layout, drafts, raw_device)))
+    variant_ms = {f"decode_ms_{label}": round(bench_kernel.median_ms(
+        lambda v=variant: decode_expert(blob_device, layout, drafts, raw_device, **v), 2, repeats, cuda=True), 4)
+        for label, variant in DECODE_VARIANTS.items()}
     raw_bytes, sent = raw_host.numel() * 2, blob_host.numel() * 4
     host_raw_us, host_residual_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),
@@ -67,7 +79,8 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
             "decode_ms": round(decode_ms, 4), "decode_gbps": round(raw_bytes / decode_ms / 1e6, 1),
             "copy_plus_decode_over_raw": round((blob_ms + decode_ms) / raw_ms, 3),
             "copy_over_raw": round(blob_ms / raw_ms, 3),
-            "host_us_per_raw_load": round(host_raw_us, 1), "host_us_per_residual_load": round(host_residual_us, 1)}
+            "host_us_per_raw_load": round(host_raw_us, 1), "host_us_per_residual_load": round(host_residual_us, 1),
+            **variant_ms}
 
 
 def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32) -> tuple:

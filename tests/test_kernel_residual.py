@@ -50,13 +50,17 @@ def test_blob_splits_back_into_its_linears():
     assert layout.stream_word + gate_up.words.numel() + down.words.numel() == blob.numel()
 
 
+VARIANTS = [dict(), dict(code_table=True), dict(programs=3), dict(programs=5, code_table=True)]
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq"])
 @pytest.mark.parametrize("shape", [(256, 128, GROUP_SIZE), (40, 24, 8)])  # 40 rows: a partial row tile
-def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape):
+@pytest.mark.parametrize("variant", VARIANTS, ids=["per-weight", "code-table", "3-programs", "5-programs-table"])
+def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape, variant):
     layout, blob, drafts, weights = make_expert(*shape, dtype, draft)
-    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights))
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights), **variant)
     assert torch.equal(bits_of(rebuilt), bits_of(decode_expert_reference(blob, layout, drafts, dtype)))
     assert torch.equal(bits_of(rebuilt), bits_of(weights))
 
@@ -65,10 +69,11 @@ def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq"])
-def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft):
+@pytest.mark.parametrize("variant", VARIANTS, ids=["per-weight", "code-table", "3-programs", "5-programs-table"])
+def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
     layout, blob, drafts, weights = make_expert(2048, 1408, GROUP_SIZE, dtype, draft)
     drafts = [d.to("cuda") for d in drafts]
-    rebuilt = decode_expert(blob.cuda(), layout, drafts, torch.empty_like(weights, device="cuda"))
+    rebuilt = decode_expert(blob.cuda(), layout, drafts, torch.empty_like(weights, device="cuda"), **variant)
     assert torch.equal(bits_of(rebuilt.cpu()), bits_of(weights))
 
 

@@ -17,6 +17,8 @@ from specter.quant.residual import MARGINS, RAW_CLASS, RAW_BITS
 from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_expert  # noqa: F401
 
 BLOCK_ROWS = 16
+DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)
+CODE_TABLE = False  # per-row tables of the 16 code intervals (DecodePlan.code_table)
 
 try:
     import triton
@@ -66,7 +68,8 @@ if TRITON_AVAILABLE:
     def _decode_tile(blob_ptr, class_ptr, out_ptr, qweight_ptr, scales_ptr, tile, out_features, in_features,
                      group_base, out_base, stream_word, blob_words,
                      M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
-                     RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr):
+                     RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
+                     CODE_TABLE: tl.constexpr):
         groups = in_features // GROUP
         group = tile % groups
         rows = (tile // groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
@@ -74,16 +77,24 @@ if TRITON_AVAILABLE:
         cols = group * GROUP + tl.arange(0, GROUP)  # [G]
         packed = tl.load(qweight_ptr + (cols // 8)[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
                          other=0)  # [R, G], qweight [in/8, out]
-        q = ((packed >> ((cols % 8) * 4)[None, :]) & 0xF).to(tl.float32) - 8.0
+        code = (packed >> ((cols % 8) * 4)[None, :]) & 0xF  # [R, G] in 0..15
         scale = _scale_of(scales_ptr, group * out_features + rows, row_ok, IS_BF16)[:, None]  # scales [in/g, out]
         index = group_base + rows * groups + group  # [R] the groups' indices in the blob
         margin_class = tl.load(class_ptr + index, mask=row_ok, other=RAW).to(tl.int32)[:, None]
         start = tl.load(blob_ptr + index, mask=row_ok, other=0)[:, None]
         margin = tl.where(margin_class == 0, M0, tl.where(margin_class == 1, M1, tl.where(margin_class == 2, M2, M3)))
+        if CODE_TABLE:  # each row's 16 intervals once, then looked up by code
+            q = (tl.arange(0, 16).to(tl.float32) - 8.0)[None, :]  # [1, 16]
+        else:  # every weight's interval from its own code
+            q = code.to(tl.float32) - 8.0
         low = tl.maximum(_truncated_key((q - 0.5 - margin) * scale, IS_BF16) - 1, 0)
         high = tl.minimum(_truncated_key((q + 0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
+        width = _bit_length(tl.maximum(high - low, 0))  # [R, 16] or [R, G]
+        if CODE_TABLE:
+            low = tl.gather(low, code, axis=1)  # [R, G]
+            width = tl.gather(width, code, axis=1)
         raw = margin_class == RAW
-        width = tl.where(raw, RAW_WIDTH, _bit_length(tl.maximum(high - low, 0)))  # [R, G]
+        width = tl.where(raw, RAW_WIDTH, width)  # [R, G]
         within = tl.cumsum(width, axis=1) - width  # bit offset inside the group
         word = stream_word + start + (within >> 5)
         shift = (within & 31).to(tl.uint32)
@@ -101,39 +112,47 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _residual_decode_kernel(
         blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-        out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, class_byte, blob_words,
+        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte, blob_words,
         M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
+        CODE_TABLE: tl.constexpr,
     ):
-        tile = tl.program_id(0)
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
         bits_ptr = out_ptr.to(tl.pointer_type(tl.int16))  # the 16-bit patterns of the weights
-        if tile < tiles0:  # linear 0 (gate_up)
-            _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
-                         stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16)
-        else:  # linear 1 (down)
-            _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
-                         group_base1, out_base1, stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
-                         BLOCK_ROWS, IS_BF16)
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):  # a grid below `tiles` leaves SMs free
+            if tile < tiles0:  # linear 0 (gate_up)
+                _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
+                             stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16,
+                             CODE_TABLE)
+            else:  # linear 1 (down)
+                _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
+                             group_base1, out_base1, stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
+                             BLOCK_ROWS, IS_BF16, CODE_TABLE)
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """What every decode launch of one model's experts shares: the grid and the blob layout's integers."""
+    """What every decode launch of one model's experts shares: the grid, the blob layout's integers and the
+    kernel variant. `programs` caps the grid (each program loops over tiles), leaving SMs to the compute
+    stream's kernels (0: a program per tile); `code_table` computes each row's 16 code intervals once and
+    looks them up, instead of one interval per weight."""
 
     grid: tuple[int]
-    layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, class_byte
+    layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte
     group_size: int
     is_bf16: bool
+    code_table: bool
 
     @classmethod
-    def of(cls, layout: BlobLayout, dtype: torch.dtype) -> DecodePlan:
+    def of(cls, layout: BlobLayout, dtype: torch.dtype, programs: int = DECODE_PROGRAMS,
+           code_table: bool = CODE_TABLE) -> DecodePlan:
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
         tiles = [_cdiv(o, BLOCK_ROWS) * (i // layout.group_size) for o, i in layout.shapes]
-        args = (*layout.shapes[0], *layout.shapes[1], tiles[0], layout.group_base(1), layout.output_base(1),
-                layout.stream_word, 4 * layout.class_word)
-        return cls((sum(tiles),), args, layout.group_size, dtype == torch.bfloat16)
+        args = (*layout.shapes[0], *layout.shapes[1], tiles[0], sum(tiles), layout.group_base(1),
+                layout.output_base(1), layout.stream_word, 4 * layout.class_word)
+        grid = (min(programs, sum(tiles)) if programs else sum(tiles),)
+        return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table)
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -150,17 +169,19 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
                   out: torch.Tensor) -> torch.Tensor:
     """One decode launch on the current stream (`decode_expert` with its plan and operands prepared)."""
     _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), *MARGINS, RAW_CLASS,
-                                       RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16)
+                                       RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16, plan.code_table)
     return out
 
 
-def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor) -> torch.Tensor:
+def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor,
+                  programs: int = DECODE_PROGRAMS, code_table: bool = CODE_TABLE) -> torch.Tensor:
     """Write the expert's exact weights into `out` (flat, 16-bit, sum(out * in) elements: gate_up then down)
     from `blob` (int32, on the device) and its linears' drafts (qweight [in/8, out], scales [in/g, out], as
-    stored); one launch on the current stream. Returns `out`."""
+    stored); one launch on the current stream (`DecodePlan` says what programs and code_table do). Returns `out`."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("decode_expert needs Triton; decode_expert_reference is the torch reference")
-    return launch_decode(DecodePlan.of(layout, out.dtype), expert_operands(drafts, out.dtype), blob, out)
+    plan = DecodePlan.of(layout, out.dtype, programs, code_table)
+    return launch_decode(plan, expert_operands(drafts, out.dtype), blob, out)
 
 
 def _cdiv(a: int, b: int) -> int:
