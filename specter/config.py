@@ -44,6 +44,8 @@ class SpecterConfig:
     residual_transfer: expert loads move the lossless residual of each 16-bit expert against the draft's
       INT4 codes already on the GPU (about 0.55x of the bytes in bf16, 0.7x in fp16) and a GPU kernel
       rebuilds the exact weights into the slot (specter.offload.residual_store).
+    residual_decode_programs: grid cap of each residual decode launch (0: a program per tile of the expert);
+      a small grid leaves the other SMs to the compute stream while the decode runs beside it.
     max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
       of the paper's protocol, 16 + 128 tokens, fits 256). Attention covers every position of it each
       step, and DeepSeek-V2 re-expands its MLA latent over all of them, so it is kept short.
@@ -66,6 +68,7 @@ class SpecterConfig:
     spare_rows: int = 4
     cuda_graph: bool = True
     residual_transfer: bool = False
+    residual_decode_programs: int = 0
     max_cache_len: int = 256
 
     def __post_init__(self) -> None:
@@ -88,6 +91,7 @@ class SpecterConfig:
         if type(self.copy_streams) is not int or self.copy_streams not in (1, 2):
             raise SpecterError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         _integer(self, "spare_rows", 0)
+        _integer(self, "residual_decode_programs", 0)
         _integer(self, "max_cache_len", 1)
 
     @property

@@ -105,11 +105,14 @@ class ExpertCache:
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
-                 streams: DeviceStreams, policy, spare_rows: int, residuals=None) -> None:
+                 streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_programs: int = 0) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
+        self.decode_plan = None if residuals is None else residuals.plan(decode_programs)
+        self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
+                    decode_programs if residuals is not None else None)  # what offload_experts compares
         self.policy, self.spare_rows = policy, spare_rows
         rows = store.num_layers * slots_per_layer + spare_rows
         self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
@@ -292,7 +295,8 @@ class ExpertCache:
             slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
         else:
             slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
-                                                          partial(self.residuals.decode, layer, expert), **waits)
+                                                          partial(self.residuals.decode, layer, expert, self.decode_plan),
+                                                          **waits)
         return slot
 
     def _swap_in_spare(self, slots: LayerSlots, slot: int) -> SpareRow:

@@ -35,8 +35,7 @@ class ResidualExpertStore:
         self.layout, self.dtype, self.drafts = layout, dtype, drafts
         self.buffers, self.offsets = buffers, offsets
         self.use_kernel = TRITON_AVAILABLE and drafts[0][0].qweight.is_cuda
-        # Each load's launch arguments, prepared once: the plan, and per expert its drafts' views.
-        self.plan = DecodePlan.of(layout, dtype) if self.use_kernel else None
+        # Each load's launch arguments, prepared once per expert: its drafts' views.
         self.operands = [[expert_operands(self.expert_drafts(layer, e), dtype) for e in range(len(offsets[layer]) - 1)]
                          for layer in range(len(drafts))] if self.use_kernel else None
 
@@ -85,9 +84,14 @@ class ResidualExpertStore:
     def expert_drafts(self, layer: int, expert: int) -> list[Int4Linear]:
         return [select_expert(draft, expert) for draft in self.drafts[layer]]
 
-    def decode(self, layer: int, expert: int, blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def plan(self, programs: int = 0) -> DecodePlan | None:
+        """The decode launches' plan with a grid of at most `programs` (0: no cap); None without the kernel."""
+        return DecodePlan.of(self.layout, self.dtype, programs) if self.use_kernel else None
+
+    def decode(self, layer: int, expert: int, plan: DecodePlan | None, blob: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
         """The expert's exact weights into `out` (a flat 16-bit slot row) from its blob on the compute device:
-        the Triton kernel on CUDA, the torch reference elsewhere."""
-        if self.use_kernel:
-            return launch_decode(self.plan, self.operands[layer][expert], blob, out)
+        the Triton kernel on CUDA (launched with `plan`), the torch reference elsewhere."""
+        if plan is not None:
+            return launch_decode(plan, self.operands[layer][expert], blob, out)
         return out.copy_(decode_expert_reference(blob, self.layout, self.expert_drafts(layer, expert), self.dtype))
