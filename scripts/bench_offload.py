@@ -88,6 +88,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
                              if "io_floor_bytes" in runs[0] else None),
         "h2d_gbps": mean("h2d_gbps"),
         "residual_decode_ms_per_token": mean("residual_decode_ms") / mean("generated_tokens"),
+        "host_expert_runs_per_token": mean("host_expert_runs") / mean("generated_tokens"),
+        "host_expert_cost": runs[0].get("host_expert_cost"),
         "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "moe_host_ms_per_token": (mean("verify_host_ms") - mean("verify_host_wait_ms")) / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
@@ -205,7 +207,7 @@ def row_line(row: dict) -> str:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["system", "k", "tpot_ms", "acceptance", "hit_rate", "planned_miss_share", "h2d_mb_per_token",
-            "h2d_gbps", "residual_decode_ms_per_token", "wait_ms_per_token", "moe_host_ms_per_token",
+            "h2d_gbps", "residual_decode_ms_per_token", "host_expert_runs_per_token", "wait_ms_per_token", "moe_host_ms_per_token",
             "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
             "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))

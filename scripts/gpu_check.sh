@@ -29,7 +29,7 @@
 # on CUDA through the harness.
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
 # the kernel's variants, the host's cost per load), then dsv2 K=8 at MEMS (default "low high") with Specter
-# raw and RESIDUAL_VARIANTS (default: residual transfer, and with a 32-program decode grid).
+# raw and RESIDUAL_VARIANTS (default: residual transfer, with a 32-program decode grid, host experts, both).
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -59,7 +59,8 @@ for step in "${STEPS[@]}"; do
               for mem in ${MEMS:-low high}; do  # Specter raw vs residual transfer, same model and process
                 python3 scripts/bench_offload.py --models dsv2 --k 8 --mem "$mem" --quick --out "$OUT/residual-$mem" \
                   --weights "${WEIGHTS:-synthetic}" --variants ${RESIDUAL_VARIANTS:-residual_transfer=true \
-                  residual_transfer=true,residual_decode_programs=32} 2>&1 | grep -v -i -E "warn|max_cache_len" \
+                  residual_transfer=true,residual_decode_programs=32 host_experts=true \
+                  residual_transfer=true,host_experts=true} 2>&1 | grep -v -i -E "warn|max_cache_len" \
                   | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
               done ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9

@@ -44,6 +44,9 @@ class SpecterConfig:
     residual_transfer: expert loads move the lossless residual of each 16-bit expert against the draft's
       INT4 codes already on the GPU (about 0.55x of the bytes in bf16, 0.7x in fp16) and a GPU kernel
       rebuilds the exact weights into the slot (specter.offload.residual_store).
+    host_experts: during verification, planned experts that are not resident and that the draft routed few
+      tokens to run on the CPU from the host store's weights (their hidden rows cross PCIe instead of the
+      expert) in a worker thread, while the copy stream brings the others (specter.verify.host_experts).
     residual_decode_programs: grid cap of each residual decode launch (0: a program per tile of the expert);
       a small grid leaves the other SMs to the compute stream while the decode runs beside it.
     max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
@@ -68,6 +71,7 @@ class SpecterConfig:
     spare_rows: int = 4
     cuda_graph: bool = True
     residual_transfer: bool = False
+    host_experts: bool = False
     residual_decode_programs: int = 0
     max_cache_len: int = 256
 
@@ -78,7 +82,7 @@ class SpecterConfig:
         _number(self, "temperature", "a finite number >= 0", lambda x: x >= 0)
         _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
         _integer(self, "seed", None)
-        for name in ("prefetch", "expert_wise", "cuda_graph", "residual_transfer"):
+        for name in ("prefetch", "expert_wise", "cuda_graph", "residual_transfer", "host_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:

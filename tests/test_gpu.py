@@ -109,6 +109,25 @@ def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
     assert model.offload.residuals.buffers[0].is_pinned() and model.offload.residuals.use_kernel
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-mixtral"])
+def test_host_experts_on_cuda_give_the_targets_tokens(name, dtype, monkeypatch):
+    """Every planned cold expert on the CPU (a free host path): the target's tokens up to rounding (the CPU's
+    GEMMs round differently from the GPU's), with and without residual transfer."""
+    import specter.offload.runtime as runtime_module
+    from specter.verify.host_experts import HostCost
+
+    monkeypatch.setattr(runtime_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
+    model = specter.load_model(name, device="cuda", dtype=dtype)
+    ids = prompt()
+    reference = TargetOnly(model).generate(ids, 32).token_ids
+    for residual in (False, True):
+        config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, host_experts=True, residual_transfer=residual)
+        out = specter.SpecterEngine(model, config).generate(ids, 32)
+        assert_equal_or_within_bf16_error(name, model, ids, out.token_ids, reference, (name, residual))
+        assert out.stats["host_expert_runs"] > 0
+
+
 @pytest.mark.slow
 def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
     model = specter.load_model("dsv2", synthetic=True, device="cuda", experts_on_host=True)  # bfloat16

@@ -62,7 +62,8 @@ def test_every_system_option_instantiates(system):
     assert built.name == system
     if system in EXTERNAL_ENGINES:  # they cannot run tiny-dsv2 (see their tests): they must say why
         assert ok or reason.strip()
-    elif system == "specter_residual":  # the tiny default is float32: residuals need 16-bit experts
+    elif system in ("specter_residual", "specter_residual_host"):  # the tiny default is float32: residuals
+        # need 16-bit experts
         assert (ok, reason) == (False, "residual_transfer needs 16-bit experts (float16 or bfloat16); "
                                        "this model's are float32")
     else:
@@ -84,6 +85,7 @@ def test_every_system_option_can_be_capped():
 NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "initial_chunk": 3,
                "early_read_fraction": 0.5, "prefetch_chunk": 2, "verify_wave": 2, "load_ahead_layers": 0,
                "copy_streams": 2, "spare_rows": 8, "cuda_graph": False, "residual_transfer": True, "residual_decode_programs": 32,
+               "host_experts": True,
                "max_cache_len": 512}
 SPECTER_SYSTEMS = [name for name in known_systems() if name == "specter" or name.startswith("specter_")]
 
@@ -177,6 +179,7 @@ BAD_VALUES = [("k", True), ("k", 2.5), ("k", "4"), ("k", 0), ("resident_experts_
               ("temperature", -1), ("temperature", "0"), ("temperature", True), ("top_p", 0), ("top_p", 1.5),
               ("top_p", math.nan), ("top_p", True), ("seed", 1.5), ("seed", True), ("seed", "0"), ("prefetch", 1),
               ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("residual_transfer", 1), ("residual_decode_programs", -1),
+              ("host_experts", "no"),
               ("eviction", "fifo"),
               ("eviction", None), ("initial_chunk", 0), ("initial_chunk", True), ("prefetch_chunk", 0),
               ("early_read_fraction", math.nan), ("early_read_fraction", 1.5), ("early_read_fraction", -0.1),

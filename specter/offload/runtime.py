@@ -17,6 +17,7 @@ from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.residual_store import ResidualExpertStore
 from specter.offload.streams import DeviceStreams
+from specter.verify.host_experts import HostExpertRunner, measure_host_cost
 from specter.verify.residency import ResidencyManager, VerifyOptions
 
 
@@ -34,7 +35,8 @@ class OffloadConfig:
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
-        verify = VerifyOptions(config.expert_wise, config.verify_wave, config.load_ahead_layers, config.copy_streams)
+        verify = VerifyOptions(config.expert_wise, config.verify_wave, config.load_ahead_layers, config.copy_streams,
+                               config.host_experts)
         return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, verify,
                    config.residual_transfer, config.residual_decode_programs)
 
@@ -56,6 +58,14 @@ class OffloadRuntime:
     routing: RoutingCounts
     residency: ResidencyManager
     residuals: ResidualExpertStore | None = None
+    host_runner: HostExpertRunner | None = None  # made by the first `host_experts` call (kept)
+
+    def host_experts(self, act) -> HostExpertRunner:
+        """The worker that runs experts on the host, its cost measured on first use (`act`: the experts'
+        activation)."""
+        if self.host_runner is None:
+            self.host_runner = HostExpertRunner(self.store, measure_host_cost(self.store, act))
+        return self.host_runner
 
 
 @dataclass
@@ -146,7 +156,8 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
     cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows,
                         residuals if residual else None, decode_programs)
     residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
-    runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals)
+    host_runner = None if runtime is None else runtime.host_runner
+    runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals, host_runner)
     for module in model.experts:
         module.target_executor = residency
     model.offload = runtime
@@ -160,7 +171,8 @@ def serving(model, config: OffloadConfig, workspace: MoEWorkspace) -> Iterator[O
     executor, and the copy streams split as `config.verify.copy_streams` asks; the model's previous
     executors and stream setting afterwards."""
     runtime = config.attach(model)
-    residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace)
+    host = runtime.host_experts(model.experts[0].act_fn) if config.verify.host_experts else None
+    residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace, host)
     with attributes_set(model.experts, target_executor=residency), \
             attributes_set([runtime.streams], split_waiting_copies=config.verify.copy_streams == 2):
         yield OffloadSession(runtime, residency)

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+UPLOAD_BUFFERS = 4  # pinned host buffers `upload` rotates through
 STAGING_BUFFERS = 2  # device buffers a residual blob lands in before its decode (one in flight, one decoding)
 
 class CopyRecord(NamedTuple):
@@ -40,6 +41,8 @@ class DeviceStreams:
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
         self._copies: list[CopyRecord] = []
         self._decodes: list[tuple] = []  # (start, end) of each residual decode
+        self._uploads: dict = {}  # (dtype, ring index) -> [pinned host buffer, event of its last copy]
+        self._upload_count = 0
 
     def record(self):
         """An event on the compute stream marking work enqueued so far (None on CPU)."""
@@ -161,6 +164,27 @@ class DeviceStreams:
         done = torch.cuda.Event()
         done.record(self.compute_stream())
         return HostRead(host, done)
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device, copied on the compute stream without the host waiting for the
+        GPU: staged in one of UPLOAD_BUFFERS pinned buffers (the host waits only if that buffer's previous
+        copy has not run yet). On CPU the tensor itself."""
+        if not self.cuda:
+            return tensor
+        key = (tensor.dtype, self._upload_count % UPLOAD_BUFFERS)
+        self._upload_count += 1
+        buffer, last = self._uploads.get(key, (None, None))
+        if last is not None:
+            last.synchronize()
+        if buffer is None or buffer.numel() < tensor.numel():
+            buffer = torch.empty(max(tensor.numel(), 1), dtype=tensor.dtype, pin_memory=True)
+        staged = buffer[:tensor.numel()].view(tensor.shape)
+        staged.copy_(tensor)
+        on_device = staged.to(self.device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self.compute_stream())
+        self._uploads[key] = (buffer, copied)
+        return on_device
 
     def tap(self, shape: tuple, dtype: torch.dtype) -> HostTap | None:
         """A fixed pinned host buffer that `HostTap.record` fills from inside a CUDA graph, or None where

@@ -66,6 +66,10 @@ class WindowPlan:
         """The experts verification loads for `layer` before reading its router, most routed first."""
         return self.ranking.experts(layer) if self.ranking is not None else []
 
+    def draft_counts(self, layer: int) -> dict[int, int]:
+        """Expert -> how many of the window's draft tokens routed to it at `layer` (0: count unknown)."""
+        return dict(self.ranking.rows().get(layer, ())) if self.ranking is not None else {}
+
     @classmethod
     def of(cls, trace: WindowTrace, ranking: Ranking | None = None) -> WindowPlan:
         return cls({layer: frozenset(experts) for layer, experts in trace.planned.items()}, ranking)

@@ -1,6 +1,7 @@
 """Verification residency manager: expert-wise target execution, cache hits first while misses stream in."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from specter.kernels.slot_moe import (
 )
 from specter.offload.eviction import RoutingCounts
 from specter.offload.expert_cache import ExpertCache
+from specter.verify.host_experts import DEFAULT_H2D_BYTES_PER_MS, HostExpertRunner, split_for_host
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class VerifyOptions:
     wave: int = config_default("verify_wave")
     ahead_layers: int = config_default("load_ahead_layers")
     copy_streams: int = config_default("copy_streams")
+    host_experts: bool = config_default("host_experts")
 
 
 class LayerPass(NamedTuple):
@@ -65,8 +68,9 @@ class ResidencyManager:
     """
 
     def __init__(self, cache: ExpertCache, routing: RoutingCounts, options: VerifyOptions,
-                 workspace: MoEWorkspace) -> None:
+                 workspace: MoEWorkspace, host_runner: HostExpertRunner | None = None) -> None:
         self.cache, self.routing, self.options, self.workspace = cache, routing, options, workspace
+        self.host_runner = host_runner  # runs planned cold experts on the CPU (None: every one is loaded)
         self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
         self.plan = None  # the WindowPlan of the window being verified (None: load on demand)
         self.reset()
@@ -76,6 +80,7 @@ class ResidencyManager:
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
         self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
         self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
+        self.host_expert_runs = self.host_expert_pairs = 0  # (layer, expert)s and (token, slot) rows run on the CPU
 
     @contextmanager
     def verifying(self, plan) -> Iterator[None]:
@@ -122,18 +127,47 @@ class ResidencyManager:
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead, maybe still in flight
         plan = self.plan.load_order(layer) if self.plan is not None else []
         planned = [e for e in plan if e not in resident]  # most routed first
+        host, on_host = self._start_host_experts(step, planned, routing)
+        planned = [e for e in planned if e not in host]
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
         self._stream(step, ready_first, deque(planned), ready=len(resident.keys() - ahead))
         waited = time.perf_counter()
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
         self.host_wait_ms += (time.perf_counter() - waited) * 1e3
         hits_possible = {e: s for e, s in resident.items() if e not in ahead}
-        cache.count_lookups(layer, routed, hits_possible, set(planned) | ahead, prefetched)
-        computed = resident.keys() | set(planned)
+        cache.count_lookups(layer, [e for e in routed if e not in host], hits_possible, set(planned) | ahead,
+                            prefetched)
+        computed = resident.keys() | set(planned) | host
         unplanned = deque(e for e in routed if e not in computed)
         self._stream(step, [], unplanned)
+        if on_host is not None:
+            self._finish_host_experts(step, on_host, len(host & set(routed)))
         for ahead in range(layer + 1, layer + 1 + self.options.ahead_layers):
             self._load_ahead(ahead)
+
+    def _start_host_experts(self, step: LayerPass, planned: list[int], routing) -> tuple[set, object]:
+        """The planned experts that run on the CPU (`host_experts.split_for_host`) and the Future of their rows
+        (the layer's hidden rows go to the host now; the worker also waits for the router's top-k)."""
+        if self.host_runner is None or self.plan is None or not planned:
+            return set(), None
+        layer, streams = step.module.moe_layer, self.cache.streams
+        counts = self.plan.draft_counts(layer)
+        copy_ms = self.cache.load_bytes / (streams.measured_bandwidth() or DEFAULT_H2D_BYTES_PER_MS)
+        host = split_for_host([(e, counts.get(e, 0)) for e in planned], self.host_runner.cost, copy_ms)
+        if not host:
+            return set(), None
+        hidden = streams.read_later(step.hidden)  # [T, H] to the host, in flight
+        return host, self.host_runner.submit(layer, host, hidden, routing, step.module.act_fn)
+
+    def _finish_host_experts(self, step: LayerPass, on_host, runs: int) -> None:
+        """The host's rows into the layer's (token, slot) rows, on the compute stream (the host waits for the
+        worker here, after every GPU wave of the layer is queued)."""
+        pairs, rows = on_host.result()
+        self.host_expert_runs += runs
+        if pairs is not None:
+            self.host_expert_pairs += pairs.numel()
+            streams = self.cache.streams
+            step.rows.index_copy_(0, streams.upload(pairs), streams.upload(rows))
 
     def _load_ahead(self, layer: int) -> None:
         """Start a next layer's planned loads into its slots that hold nothing it plans to use, so the
@@ -214,4 +248,7 @@ class ResidencyManager:
             "working_set_mean": mean(sets) if sets else float("nan"),
             "verify_host_ms": self.host_ms,  # host time in the MoE layers of target passes
             "verify_host_wait_ms": self.host_wait_ms,  # of it: waiting for routers' top-k
+            "host_expert_runs": self.host_expert_runs,
+            "host_expert_pairs": self.host_expert_pairs,
+            "host_expert_cost": None if self.host_runner is None else dataclasses.asdict(self.host_runner.cost),
         }

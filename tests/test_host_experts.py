@@ -1,0 +1,58 @@
+"""Cold experts on the CPU during verification: the split between the paths, and lossless decoding with it."""
+import pytest
+import torch
+
+import specter
+import specter.offload.runtime as runtime_module
+from specter.verify.host_experts import HostCost, measure_host_cost, split_for_host
+from tests.conftest import hf_greedy, prompt
+
+NEW = 32
+
+
+def test_the_host_takes_the_fewest_token_experts_while_it_keeps_up_with_the_copies():
+    cost = HostCost(fixed_ms=0.2, per_token_ms=0.1)  # 1 token: 0.3 ms, 4 tokens: 0.6 ms
+    candidates = [(7, 4), (3, 1), (5, 1), (9, 12)]
+    # copies of 0.5 ms each: host 3 (0.3) leaves 1.5 ms of copies; host 5 (0.6 in all) leaves 1.0; host 7
+    # (1.2 in all) would exceed the 0.5 ms left
+    assert split_for_host(candidates, cost, copy_ms=0.5) == {3, 5}
+    assert split_for_host(candidates, cost, copy_ms=0.1) == {3}  # 0.3 ms on the host while 3 copies take 0.3
+    assert split_for_host(candidates, cost, copy_ms=0.05) == set()  # the copies are faster
+    assert split_for_host(candidates, HostCost(0.0, 0.0), copy_ms=0.5) == {3, 5, 7, 9}
+    assert split_for_host([], cost, copy_ms=0.5) == set()
+
+
+def test_the_measured_cost_grows_with_tokens():
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    runtime = specter.SpecterEngine(model, specter.SpecterConfig(k=2, resident_experts_per_layer=1)).model.offload
+    cost = measure_host_cost(runtime.store, model.experts[0].act_fn)
+    assert cost.fixed_ms >= 0 and cost.per_token_ms >= 0 and cost.cpu_ms(16) >= cost.cpu_ms(1) > 0
+
+
+@pytest.fixture
+def free_host(monkeypatch):
+    """The host path costs nothing, so every planned expert that is not resident runs there."""
+    monkeypatch.setattr(runtime_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen", "tiny-mixtral"])
+def test_host_experts_keep_greedy_decoding_lossless(name, free_host):
+    model = specter.load_model(name, device="cpu", dtype=torch.float32)
+    config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, host_experts=True)
+    out = specter.SpecterEngine(model, config).generate(prompt(), NEW)
+    assert out.token_ids == hf_greedy(name, prompt(), NEW)
+    assert out.stats["host_expert_runs"] > 0 and out.stats["host_expert_pairs"] >= out.stats["host_expert_runs"]
+
+
+def test_host_experts_move_fewer_bytes_and_work_with_residual_transfer_and_batches(free_host):
+    runs = {}
+    for host in (False, True):
+        model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+        config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, host_experts=host, residual_transfer=True)
+        engine = specter.SpecterEngine(model, config)
+        runs[host] = engine.generate(prompt(), NEW)
+        batch = engine.generate([prompt().tolist()[0], prompt("def f(x):").tolist()[0]], 12)
+        assert batch[0].token_ids == engine.generate(prompt(), 12).token_ids
+    assert runs[True].token_ids == runs[False].token_ids  # the same expert_mlp on the same device: bitwise
+    assert runs[True].stats["h2d_bytes"] < runs[False].stats["h2d_bytes"]
+    assert runs[True].stats["residual_decodes"] > 0 and runs[True].stats["host_expert_runs"] > 0
