@@ -89,6 +89,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "h2d_gbps": mean("h2d_gbps"),
         "residual_decode_ms_per_token": mean("residual_decode_ms") / mean("generated_tokens"),
         "host_expert_runs_per_token": mean("host_expert_runs") / mean("generated_tokens"),
+        "host_expert_mb_per_token": mean("host_expert_bytes") / mean("generated_tokens") / 1e6,
         "host_expert_cost": runs[0].get("host_expert_cost"),
         "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "moe_host_ms_per_token": (mean("verify_host_ms") - mean("verify_host_wait_ms")) / mean("generated_tokens"),

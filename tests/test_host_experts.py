@@ -42,6 +42,8 @@ def test_host_experts_keep_greedy_decoding_lossless(name, free_host):
     out = specter.SpecterEngine(model, config).generate(prompt(), NEW)
     assert out.token_ids == hf_greedy(name, prompt(), NEW)
     assert out.stats["host_expert_runs"] > 0 and out.stats["host_expert_pairs"] >= out.stats["host_expert_runs"]
+    hidden = model.hf.config.hidden_size
+    assert out.stats["host_expert_bytes"] >= out.stats["host_expert_pairs"] * hidden * 4  # at least the outputs
 
 
 def test_host_experts_move_fewer_bytes_and_work_with_residual_transfer_and_batches(free_host):

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-UPLOAD_BUFFERS = 4  # pinned host buffers `upload` rotates through
+UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: every other one)
 STAGING_BUFFERS = 2  # device buffers a residual blob lands in before its decode (one in flight, one decoding)
 
 class CopyRecord(NamedTuple):

@@ -77,6 +77,7 @@ class HostExpertRunner:
         """Run `experts` of `layer` once `hidden` ([T, H]) and `routing` ([T, k]) are on the host (HostReads)."""
         return self.pool.submit(self._run, layer, sorted(experts), hidden, routing, act)
 
+    @torch.inference_mode()  # thread-local: the caller's mode does not reach the worker
     def _run(self, layer: int, experts: list[int], hidden, routing, act):
         x, top_k = hidden.result(), routing.result()
         k, flat = top_k.shape[1], top_k.reshape(-1)  # [T*k]

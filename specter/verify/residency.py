@@ -81,6 +81,7 @@ class ResidencyManager:
         self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
         self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
         self.host_expert_runs = self.host_expert_pairs = 0  # (layer, expert)s and (token, slot) rows run on the CPU
+        self.host_expert_bytes = 0  # what their rows move over PCIe: hidden rows to the host, outputs back
 
     @contextmanager
     def verifying(self, plan) -> Iterator[None]:
@@ -157,6 +158,7 @@ class ResidencyManager:
         if not host:
             return set(), None
         hidden = streams.read_later(step.hidden)  # [T, H] to the host, in flight
+        self.host_expert_bytes += step.hidden.numel() * step.hidden.element_size()
         return host, self.host_runner.submit(layer, host, hidden, routing, step.module.act_fn)
 
     def _finish_host_experts(self, step: LayerPass, on_host, runs: int) -> None:
@@ -166,6 +168,7 @@ class ResidencyManager:
         self.host_expert_runs += runs
         if pairs is not None:
             self.host_expert_pairs += pairs.numel()
+            self.host_expert_bytes += pairs.numel() * 8 + rows.numel() * rows.element_size()
             streams = self.cache.streams
             step.rows.index_copy_(0, streams.upload(pairs), streams.upload(rows))
 
@@ -250,5 +253,6 @@ class ResidencyManager:
             "verify_host_wait_ms": self.host_wait_ms,  # of it: waiting for routers' top-k
             "host_expert_runs": self.host_expert_runs,
             "host_expert_pairs": self.host_expert_pairs,
+            "host_expert_bytes": self.host_expert_bytes,
             "host_expert_cost": None if self.host_runner is None else dataclasses.asdict(self.host_runner.cost),
         }
