@@ -128,6 +128,20 @@ def test_host_experts_on_cuda_give_the_targets_tokens(name, dtype, monkeypatch):
         assert out.stats["host_expert_runs"] > 0
 
 
+def test_large_host_buffers_are_registered_in_place_and_copy_asynchronously():
+    from specter.offload.streams import REGISTER_MIN_BYTES, pin
+
+    big = torch.arange(REGISTER_MIN_BYTES // 4 + 5, dtype=torch.int32)
+    pinned = pin(big, torch.device("cuda"))
+    assert pinned.data_ptr() == big.data_ptr() and pinned.is_pinned()  # in place, exact size
+    small = pin(torch.arange(10), torch.device("cuda"))
+    assert small.is_pinned()
+    on_device = torch.empty_like(pinned, device="cuda")
+    on_device.copy_(pinned, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_device.cpu(), big)
+
+
 @pytest.mark.slow
 def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
     model = specter.load_model("dsv2", synthetic=True, device="cuda", experts_on_host=True)  # bfloat16
