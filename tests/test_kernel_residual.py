@@ -53,6 +53,19 @@ def test_blob_splits_back_into_its_linears():
 VARIANTS = [dict(), dict(code_table=True), dict(programs=3), dict(programs=5, code_table=True)]
 
 
+def test_a_batched_encode_gives_each_experts_own_blob():
+    from specter.quant.int4 import Int4Linear
+    from specter.quant.residual_expert import encode_experts
+
+    experts = [make_expert(40, 24, 8, torch.bfloat16, "rtn", seed=seed) for seed in range(3)]
+    layout = experts[0][0]
+    weights = [torch.stack([w[layout.output_base(p):layout.output_base(p) + o * i].view(o, i) for *_, w in experts])
+               for p, (o, i) in enumerate(layout.shapes)]
+    drafts = [Int4Linear(torch.stack([e[2][p].qweight for e in experts]), torch.stack([e[2][p].scales for e in experts]), 8)
+              for p in range(2)]
+    assert all(torch.equal(a, e[1]) for a, e in zip(encode_experts(weights, drafts), experts))
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq"])

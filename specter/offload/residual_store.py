@@ -13,7 +13,9 @@ from specter.kernels.residual_decode import TRITON_AVAILABLE, DecodePlan, expert
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import pin
 from specter.quant.int4 import Int4Linear, select_expert
-from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_expert, expert_layout
+from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_experts, expert_layout
+
+ENCODE_CHUNK = 8  # experts per batched encode (bounds the encode's temporaries: about 6 GB for dsv2)
 
 
 def residual_dtype_problem(dtype: torch.dtype) -> str:
@@ -49,11 +51,14 @@ class ResidualExpertStore:
         drafts = [(module.draft_gate_up, module.draft_down) for module in experts]
         device = drafts[0][0].qweight.device
         buffers, offsets = [], []
-        for layer, (gate_up_draft, down_draft) in enumerate(drafts):
+        for layer, layer_drafts in enumerate(drafts):
             gate_up, down = store.layer_weights(layer)  # [E, 2I, H], [E, H, I]
-            blobs = [encode_expert([gate_up[e].to(device), down[e].to(device)],
-                                   [select_expert(gate_up_draft, e), select_expert(down_draft, e)]).cpu()
-                     for e in range(store.num_experts)]
+            blobs = []
+            for first in range(0, store.num_experts, ENCODE_CHUNK):  # a chunk of experts per batched encode
+                chunk = slice(first, min(first + ENCODE_CHUNK, store.num_experts))
+                chunk_drafts = [Int4Linear(d.qweight[chunk], d.scales[chunk], d.group_size) for d in layer_drafts]
+                blobs += [blob.cpu() for blob in encode_experts([gate_up[chunk].to(device), down[chunk].to(device)],
+                                                                chunk_drafts)]
             sizes = [blob.numel() for blob in blobs]
             offsets.append([sum(sizes[:e]) for e in range(len(sizes) + 1)])
             buffers.append(pin(torch.cat(blobs), device))

@@ -68,7 +68,23 @@ def scales_by_row(draft: Int4Linear) -> torch.Tensor:
 
 def encode_expert(weights: list[torch.Tensor], drafts: list[Int4Linear]) -> torch.Tensor:
     """The blob (int32 [n], on the weights' device) of one expert's linears W [out, in] against their drafts."""
+    return encode_experts([w.unsqueeze(0) for w in weights],
+                          [Int4Linear(d.qweight.unsqueeze(0), d.scales.unsqueeze(0), d.group_size) for d in drafts])[0]
+
+
+def encode_experts(weights: list[torch.Tensor], drafts: list[Int4Linear]) -> list[torch.Tensor]:
+    """The blobs of n experts at once: their linears W [n, out, in] against their stacked drafts (one
+    batched encode per linear, then each expert's slice of it)."""
     parts = [encode(w, unpack_codes(d.qweight), scales_by_row(d), d.group_size) for w, d in zip(weights, drafts)]
+    firsts = [torch.cat([p.word_start[:, 0, 0], p.word_start.new_tensor([p.words.numel()])]).tolist()
+              for p in parts]  # [n + 1] per linear: where each expert's stream starts
+    return [expert_blob([ResidualTensor(p.margin_class[e], p.word_start[e] - first[e], p.words[first[e]:first[e + 1]],
+                                        p.dtype, p.group_size) for p, first in zip(parts, firsts)])
+            for e in range(weights[0].shape[0])]
+
+
+def expert_blob(parts: list[ResidualTensor]) -> torch.Tensor:
+    """One expert's linears, each with its own stream, as the blob of the module docstring."""
     starts, stream_words = [], 0
     for part in parts:
         starts.append(part.word_start.flatten() + stream_words)
