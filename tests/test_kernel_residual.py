@@ -61,8 +61,8 @@ def test_a_batched_encode_gives_each_experts_own_blob():
     layout = experts[0][0]
     weights = [torch.stack([w[layout.output_base(p):layout.output_base(p) + o * i].view(o, i) for *_, w in experts])
                for p, (o, i) in enumerate(layout.shapes)]
-    drafts = [Int4Linear(torch.stack([e[2][p].qweight for e in experts]), torch.stack([e[2][p].scales for e in experts]), 8)
-              for p in range(2)]
+    drafts = [Int4Linear(torch.stack([e[2][p].qweight for e in experts]),
+                         torch.stack([e[2][p].scales for e in experts]), 8) for p in range(2)]
     assert all(torch.equal(a, e[1]) for a, e in zip(encode_experts(weights, drafts), experts))
 
 
@@ -102,5 +102,6 @@ def test_kernel_rebuilds_a_tiny_models_offloaded_experts(dtype):
     residuals, plan = runtime.residuals, DecodePlan.of(runtime.residuals.layout, dtype)
     for layer, expert in [(0, 0), (0, 5), (1, 7)]:
         operands = expert_operands(residuals.expert_drafts(layer, expert), dtype)
-        rebuilt = launch_decode(plan, operands, residuals.blob(layer, expert), torch.empty(runtime.store.numel, dtype=dtype))
+        out = torch.empty(runtime.store.numel, dtype=dtype)
+        rebuilt = launch_decode(plan, operands, residuals.blob(layer, expert), out)
         assert torch.equal(bits_of(rebuilt), bits_of(runtime.store.expert(layer, expert)))

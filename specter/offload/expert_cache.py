@@ -294,9 +294,9 @@ class ExpertCache:
         if self.residuals is None:
             slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
         else:
+            decode = partial(self.residuals.decode, layer, expert, self.decode_plan)
             slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
-                                                          partial(self.residuals.decode, layer, expert, self.decode_plan),
-                                                          **waits)
+                                                          decode, **waits)
         return slot
 
     def _swap_in_spare(self, slots: LayerSlots, slot: int) -> SpareRow:

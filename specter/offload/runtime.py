@@ -131,8 +131,9 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
     The first call moves the FP experts into the host store (one way). A later call with another
     slot count, policy, number of spare rows or transfer format builds a new cache over the same store
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
-    on first use and kept), each decoded by a launch of at most `decode_programs` programs (0: no cap). The runtime's own residency manager (default verification options) becomes
-    every layer's target executor.
+    on first use and kept), each decoded by a launch of at most `decode_programs` programs (0: no cap).
+    The runtime's own residency manager (default verification options) becomes every layer's target
+    executor.
     """
     if not 1 <= slots <= model.num_experts:
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")

@@ -14,8 +14,8 @@ is sent raw, 16 bits per weight.
 
 Layout of an encoded tensor W [..., out, in] (leading dims: experts): per group its margin class (3
 bits; RAW_CLASS = raw) and the start of its bits in a uint32 word stream (each group starts on a word);
-within a group the weights' residuals follow in input order, each in its own width. `encode` and `decode` are the plain torch
-reference of the format.
+within a group the weights' residuals follow in input order, each in its own width. `encode` and
+`decode` are the plain torch reference of the format.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def encode(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     low, width = intervals(codes, scales, weight.dtype, group_size, class_margins(margin_class))
     value = torch.where(raw.repeat_interleave(group_size, dim=-1), bits, keys - low).to(torch.int64)
     word_start, offsets, total = layout(width, raw, group_size)
-    words = torch.zeros(total + 1, dtype=torch.int64, device=weight.device)  # one spare word: a value may spill into the next
+    words = torch.zeros(total + 1, dtype=torch.int64, device=weight.device)  # a spare word: values spill into the next
     word, shift = (offsets // WORD).flatten(), (offsets % WORD).flatten()
     shifted = value.flatten() << shift  # < 2^48: this word and maybe the next
     words.index_add_(0, word, shifted & 0xFFFFFFFF)  # residuals never overlap: adding is OR
