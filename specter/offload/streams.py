@@ -9,7 +9,8 @@ import torch
 
 REGISTER_MIN_BYTES = 64 * 2**20  # `pin` registers tensors this large in place instead of copying them
 UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: every other one)
-STAGING_BUFFERS = 2  # device buffers a residual blob lands in before its decode (one in flight, one decoding)
+STAGING_BYTES = 128 * 2**20  # device memory for residual blobs between their copy and their decode
+MIN_STAGING_BUFFERS = 2  # at least one blob in flight while one decodes
 
 class CopyRecord(NamedTuple):
     """One expert copy: its start and end (events on CUDA, perf_counter on CPU), bytes, and the event it
@@ -38,7 +39,7 @@ class DeviceStreams:
         self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # residual decodes
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
-        self._staging: list[list] = [[None, None] for _ in range(STAGING_BUFFERS)]  # [device buffer, free event]
+        self._staging: list[list] = []  # [device buffer, event of the decode that read it last], made on first use
         self._staged = 0  # residual copies issued (picks the staging buffer)
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
         self._copies: list[CopyRecord] = []
@@ -99,9 +100,10 @@ class DeviceStreams:
                      previous=None):
         """dst <- decode(blob on the device, dst) (a residual load); returns its ready event.
 
-        The blob crosses PCIe on the copy stream into a staging buffer (one of STAGING_BUFFERS, reused once
-        the decode that read it has ended), without waiting for dst's row: the decode stream waits for the
-        blob, for `after` (the row's last use) and `previous` (the row's last copy), then decodes into dst.
+        The blob crosses PCIe on the copy stream into a staging buffer (as many as STAGING_BYTES holds, at
+        least MIN_STAGING_BUFFERS; each reused once the decode that read it has ended), without waiting for
+        dst's row: the decode stream waits for the blob, for `after` (the row's last use) and `previous` (the
+        row's last copy), then decodes into dst.
         On CPU `decode` reads the host blob directly, synchronously.
         """
         nbytes = blob.numel() * blob.element_size()
@@ -114,7 +116,10 @@ class DeviceStreams:
             if demand:
                 self._stalls.append(span)
             return None
-        staging = self._staging[self._staged % STAGING_BUFFERS]
+        if not self._staging:  # a ring deep enough that a decode waiting for its row rarely stalls the copies
+            count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // max(nbytes, 1))
+            self._staging = [[None, None] for _ in range(count)]
+        staging = self._staging[self._staged % len(self._staging)]
         self._staged += 1
         if staging[0] is None or staging[0].numel() < blob.numel():
             staging[0] = torch.empty(blob.numel(), dtype=blob.dtype, device=self.device)
