@@ -21,7 +21,7 @@ class MemoryPlan:
     non_expert_bytes: int
     draft_bytes: int
     kv_bytes: int
-    workspace_bytes: int  # activations, kernel buffers, spare rows (4 experts: 66 MiB on dsv2), residual staging (128 MiB)
+    workspace_bytes: int  # activations, kernel buffers, spare rows (4 experts: 66 MiB on dsv2), residual staging
     expert_bytes: int  # one FP expert (gate_up + down)
     num_moe_layers: int
     num_experts: int
