@@ -10,7 +10,8 @@
 # depth: experiment=depth (Specter's TPOT per K, best K to best_k.json for k=auto) on MODELS x MEMS, DEPTH_KS
 # (default 4,8,12,16,24,32), DEPTH_PROMPTS (default 1) per dataset, into REPORT_DIR/depth/<model>-<mem>
 # (RESUME=force continues runs whose config differs only by options added since, at their defaults).
-# report: the harness with every system on MODELS x MEMS
+# report: the harness with every system (or SYSTEMS, e.g. issue 21's table: specter,specter_residual,
+# specter_host_experts,specter_residual_host,target_only,mo_sm,specmoeoff_sm) on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS (default 1), TF_CAP
 # (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8 or k=auto, which
 # reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
@@ -85,7 +86,7 @@ for step in "${STEPS[@]}"; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
               timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
                 model.weights="${WEIGHTS:-synthetic}" dataset=all \
-                'systems=[specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp]' \
+                "systems=[${SYSTEMS:-specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp}]" \
                 num_prompts="${NUM_PROMPTS:-1}" repeats="${REPEATS:-1}" token_caps.transformers="${TF_CAP:-8}" \
                 results_root="${REPORT_DIR:-.report}" results_dir="$dir" resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
