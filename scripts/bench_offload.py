@@ -77,6 +77,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         bytes_per_ms = sum(r["h2d_bytes"] for r in runs) / sum(r["h2d_busy_ms"] for r in runs)
         floor = sum(r["io_floor_bytes"] for r in runs) / bytes_per_ms / tokens
     return {
+        "io_floor_both_paths_ms_per_token": floor_with_host(floor, runs[0], bytes_per_ms) if floor else None,
         "system": name, "tpot_ms": mean("tpot_ms"), "ttft_ms": mean("ttft_ms"),
         "acceptance": mean("acceptance_rate"), "mean_accepted": mean("mean_accepted_length"),
         "hit_rate": mean("hit_rate"),
@@ -105,6 +106,18 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
            for cause in ("slot", "host")},
         "tokens_match_resident": sum(r["tokens"] == ref for r, ref in zip(runs, reference)) / len(runs),
     }
+
+
+def floor_with_host(floor_ms: float, stats: dict, bytes_per_ms: float) -> float | None:
+    """The I/O floor when the host shares the missing experts (host_experts): both paths at their measured
+    rates, in parallel (c ms per load over PCIe, h ms per one-token expert on the CPU: floor * h / (c + h)).
+    A derived bound, not a measurement; None without host experts."""
+    cost = stats.get("host_expert_cost")
+    if not cost:
+        return None
+    copy_ms = stats["expert_load_bytes"] / bytes_per_ms
+    host_ms = cost["fixed_ms"] + cost["per_token_ms"]
+    return floor_ms * host_ms / (copy_ms + host_ms)
 
 
 def parse_variant(text: str) -> dict:

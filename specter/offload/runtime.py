@@ -105,6 +105,7 @@ class OffloadSession:
             **self.residency.stats(),
             "routing_counts": self.runtime.routing.per_layer(len(self.cache.layers)),
             "resident_experts_per_layer": self.cache.slots_per_layer,
+            "expert_load_bytes": self.cache.load_bytes,  # what one load moves (the mean blob with residuals)
             "eviction_policy": self.cache.policy.name,
         }
 
