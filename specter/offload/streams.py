@@ -121,8 +121,11 @@ class DeviceStreams:
             self._staging = [[None, None] for _ in range(count)]
         staging = self._staging[self._staged % len(self._staging)]
         self._staged += 1
-        if staging[0] is None or staging[0].numel() < blob.numel():
-            staging[0] = torch.empty(blob.numel(), dtype=blob.dtype, device=self.device)
+        if staging[0] is None or staging[0].numel() < blob.numel():  # blobs differ in length: grow
+            if staging[0] is not None:  # the allocator may reuse it only after both streams are past it
+                staging[0].record_stream(self.copy_stream)
+                staging[0].record_stream(self.decode_stream)
+            staging[0] = torch.empty(blob.numel() + blob.numel() // 8, dtype=blob.dtype, device=self.device)
         start, arrived, decoding, ready = (torch.cuda.Event(enable_timing=True) for _ in range(4))
         compute = self.compute_stream()
         try:
