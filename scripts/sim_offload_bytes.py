@@ -8,9 +8,12 @@ It builds a synthetic DeepSeek-V2-Lite at full width (64 routed experts top-6, h
 built-in prompts with Specter and with each `--variants` entry (SpecterConfig options; a variant may set
 k). The planner's cost model is frozen at the H200's draft step time per MoE layer (scaled to the layers
 built) and its copy bandwidth (the constants below), so its batch sizes and boundaries are the GPU's.
-Per configuration it prints expert loads per decoded token against the floor (experts the target routed
-to that were not resident when their window started), their ratio, wasted loads, prefetches, loads
-ahead, reloads by cause, the hit rate and the mean accepted length. TPOT is not simulated: the copy
+Per configuration it prints the PCIe megabytes per decoded token (expert loads, plus the rows of experts
+run on the host), host runs, expert loads per decoded token against the floor (experts the target routed
+to that were not resident when their window started; with residual transfer a load is a blob), their
+ratio, wasted loads, prefetches, loads ahead, reloads by cause, the hit rate and the mean accepted
+length; `--mo-sm` first prints MO-SM's bytes at the same memory. Host experts are split with the cost
+torch measured on the H200's host (H200_HOST_COST), not this machine's. TPOT is not simulated: the copy
 stream's idle time needs the GPU (scripts/bench_offload.py). Reference results: results/reference/NOTES.md.
 """
 from __future__ import annotations
@@ -32,10 +35,16 @@ from specter.models.loading import build_synthetic  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.models.tokenizer import ByteTokenizer  # noqa: E402
 from specter.offload.expert_cache import CAUSES  # noqa: E402
+from baselines.mixtral_offloading import MixtralOffloading, same_memory_slots  # noqa: E402
+from specter.offload.budget import plan_memory  # noqa: E402
+from specter.offload.runtime import offload_experts  # noqa: E402
 from specter.prefetch.planner import CostModel  # noqa: E402
+from specter.verify.host_experts import HostCost  # noqa: E402
 
 H200_DRAFT_MS_PER_MOE_LAYER = 6.44 / 26  # dsv2's replayed draft step, per MoE layer (H200, results/reference/NOTES.md)
 H200_BYTES_PER_MS = 54.2e6
+# torch bf16 on the H200's host (16 cores), one dsv2 expert: 0.34 ms at 1 token, 0.44 ms at 16 (issue 21)
+H200_HOST_COST = HostCost(fixed_ms=0.333, per_token_ms=0.1 / 15, copy_bytes_per_ms=H200_BYTES_PER_MS)
 SIM_VOCAB = 4096  # the byte-level prompts need 257 ids; 102400 would only make embeddings and lm_head bigger
 
 
@@ -57,9 +66,11 @@ def measure(model, config: specter.SpecterConfig, prompts: list[torch.Tensor], n
                                         frozen=True)
     runs = [engine.generate(ids, new_tokens).stats for ids in prompts]
     total = lambda key: sum(r[key] for r in runs)  # noqa: E731
-    expert, tokens = model.offload.store.expert_bytes, total("generated_tokens")
+    expert, tokens = runs[0]["expert_load_bytes"], total("generated_tokens")  # bytes of one load
     per_token = lambda key: total(key) / tokens  # noqa: E731
     return {
+        "pcie_mb_per_token": (total("h2d_bytes") + total("host_expert_bytes")) / tokens / 1e6,
+        "host_runs_per_token": per_token("host_expert_runs"),
         "decode_loads_per_token": total("decode_h2d_bytes") / expert / tokens,
         "floor_loads_per_token": total("io_floor_bytes") / expert / tokens,
         "bytes_over_floor": total("decode_h2d_bytes") / total("io_floor_bytes"),
@@ -69,6 +80,15 @@ def measure(model, config: specter.SpecterConfig, prompts: list[torch.Tensor], n
         "hit_rate": total("hits") / (total("hits") + total("misses")),
         "mean_accepted": sum(r["mean_accepted_length"] for r in runs) / len(runs),
     }
+
+
+def measure_mo_sm(model, slots: int, prompts: list[torch.Tensor], new_tokens: int) -> dict:
+    """MO-SM (Specter's memory, its draft's bytes spent on FP slots): PCIe bytes per decoded token."""
+    plan = plan_memory(model.spec, model.hf.config, model.dtype)
+    system = MixtralOffloading(model, same_memory_slots(slots, plan))
+    runs = [system.generate(ids, new_tokens).stats for ids in prompts]
+    tokens = sum(r["generated_tokens"] for r in runs)
+    return {"pcie_mb_per_token": sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, "slots": system.slots}
 
 
 def main() -> None:
@@ -81,6 +101,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
                         help="bfloat16 halves the memory (4 MoE layers need about 12 GB in float32)")
     parser.add_argument("--variants", nargs="*", default=[], help="SpecterConfig options, e.g. initial_chunk=1")
+    parser.add_argument("--mo-sm", action="store_true", help="also MO-SM's PCIe bytes per token (same memory)")
     args = parser.parse_args()
     if not 1 <= args.moe_layers <= 26:
         sys.exit("error: --moe-layers must be in 1..26 (DeepSeek-V2-Lite has 26)")
@@ -89,6 +110,11 @@ def main() -> None:
     prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:args.prompts]]
     print(f"built in {time.time() - t0:.0f} s; {args.moe_layers} MoE layers, K={args.k}, {args.slots} slots, "
           f"{args.prompts} prompts x {args.new_tokens} tokens", flush=True)
+    offload_experts(model, args.slots)  # host experts, if a variant asks, cost what the H200's host measured
+    model.offload.host_experts(model.experts[0].act_fn, H200_HOST_COST)
+    if args.mo_sm:
+        row = measure_mo_sm(model, args.slots, prompts, args.new_tokens)
+        print(f"{'mo_sm':>24} | {row['slots']} slots, PCIe {row['pcie_mb_per_token']:.1f} MB per decoded token")
     cols = None
     for label, options in [("specter", {})] + [(v, parse_variant(v)) for v in args.variants]:
         t1 = time.time()

@@ -38,6 +38,9 @@ def test_byte_simulation_counts_on_a_tiny_model():
     config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, cuda_graph=False)
     row = sim.measure(model, config, [prompt(), prompt("def f(x):")], 16)
     assert row["bytes_over_floor"] >= 1 and row["decode_loads_per_token"] >= row["floor_loads_per_token"] > 0
+    assert row["pcie_mb_per_token"] > 0 and row["host_runs_per_token"] == 0
+    mo_sm = sim.measure_mo_sm(model, 1, [prompt()], 8)
+    assert mo_sm["slots"] >= 1 and mo_sm["pcie_mb_per_token"] > 0
     extra = sum(row[f"reload_{cause}_per_token"] for cause in ("prefetch", "ahead", "verify"))
     excess = row["decode_loads_per_token"] - row["floor_loads_per_token"]
     # each reload and each load of an expert the target did not route is over the floor (one load can be both)

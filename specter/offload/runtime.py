@@ -17,7 +17,7 @@ from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.residual_store import ResidualExpertStore
 from specter.offload.streams import DeviceStreams
-from specter.verify.host_experts import HostExpertRunner, measure_host_cost
+from specter.verify.host_experts import HostCost, HostExpertRunner, measure_host_cost
 from specter.verify.residency import ResidencyManager, VerifyOptions
 
 
@@ -60,11 +60,11 @@ class OffloadRuntime:
     residuals: ResidualExpertStore | None = None
     host_runner: HostExpertRunner | None = None  # made by the first `host_experts` call (kept)
 
-    def host_experts(self, act) -> HostExpertRunner:
-        """The worker that runs experts on the host, its cost measured on first use (`act`: the experts'
-        activation)."""
+    def host_experts(self, act, cost: HostCost | None = None) -> HostExpertRunner:
+        """The worker that runs experts on the host, made on first use with `cost` or, by default, a cost
+        measured then (`act`: the experts' activation)."""
         if self.host_runner is None:
-            self.host_runner = HostExpertRunner(self.store, measure_host_cost(self.store, act))
+            self.host_runner = HostExpertRunner(self.store, cost or measure_host_cost(self.store, act))
         return self.host_runner
 
 

@@ -24,10 +24,12 @@ DEFAULT_H2D_BYTES_PER_MS = 25e6  # until the run has measured its copies (25 GB/
 
 @dataclass(frozen=True)
 class HostCost:
-    """CPU milliseconds of one expert for `tokens` tokens: fixed_ms + per_token_ms * tokens."""
+    """CPU milliseconds of one expert for `tokens` tokens: fixed_ms + per_token_ms * tokens; the copy rate the
+    split weighs them against (`copy_bytes_per_ms`; None: the run's measured H2D rate)."""
 
     fixed_ms: float
     per_token_ms: float
+    copy_bytes_per_ms: float | None = None
 
     def cpu_ms(self, tokens: int) -> float:
         return self.fixed_ms + self.per_token_ms * tokens

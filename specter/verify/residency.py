@@ -153,8 +153,9 @@ class ResidencyManager:
             return set(), None
         layer, streams = step.module.moe_layer, self.cache.streams
         counts = self.plan.draft_counts(layer)
-        copy_ms = self.cache.load_bytes / (streams.measured_bandwidth() or DEFAULT_H2D_BYTES_PER_MS)
-        host = split_for_host([(e, counts.get(e, 0)) for e in planned], self.host_runner.cost, copy_ms)
+        cost = self.host_runner.cost
+        rate = cost.copy_bytes_per_ms or streams.measured_bandwidth() or DEFAULT_H2D_BYTES_PER_MS
+        host = split_for_host([(e, counts.get(e, 0)) for e in planned], cost, self.cache.load_bytes / rate)
         if not host:
             return set(), None
         hidden = streams.read_later(step.hidden)  # [T, H] to the host, in flight
