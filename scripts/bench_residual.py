@@ -91,7 +91,7 @@ def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts
     plan, operands = DecodePlan.of(layout, dtype), expert_operands(drafts, dtype)
     decode = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
     issue = {"raw": lambda row: streams.copy(row, raw_host),
-             "residual": lambda row: streams.copy_decoded(row, blob_host, decode)}
+             "residual": lambda row: streams.copy_decoded(row, blob_host, decode, blob_host.numel())}
     medians = []
     for name in ("raw", "residual"):
         issue[name](rows[0])  # first use (allocations, compilation)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from functools import partial
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -296,7 +296,7 @@ class ExpertCache:
         else:
             decode = partial(self.residuals.decode, layer, expert, self.decode_plan)
             slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
-                                                          decode, **waits)
+                                                          decode, self.residuals.max_blob_words, **waits)
         return slot
 
     def _swap_in_spare(self, slots: LayerSlots, slot: int) -> SpareRow:

@@ -36,6 +36,7 @@ class ResidualExpertStore:
                  buffers: list[torch.Tensor], offsets: list[list[int]]) -> None:
         self.layout, self.dtype, self.drafts = layout, dtype, drafts
         self.buffers, self.offsets = buffers, offsets
+        self.max_blob_words = max(b - a for row in offsets for a, b in zip(row, row[1:]))  # staging capacity
         self.use_kernel = TRITON_AVAILABLE and drafts[0][0].qweight.is_cuda
         # Each load's launch arguments, prepared once per expert: its drafts' views.
         self.operands = [[expert_operands(self.expert_drafts(layer, e), dtype) for e in range(len(offsets[layer]) - 1)]
@@ -68,10 +69,6 @@ class ResidualExpertStore:
         """The expert's blob [n] int32 (a view into the layer's host buffer)."""
         start, end = self.offsets[layer][expert], self.offsets[layer][expert + 1]
         return self.buffers[layer][start:end]
-
-    @property
-    def max_blob_words(self) -> int:
-        return max(b - a for offsets in self.offsets for a, b in zip(offsets, offsets[1:]))
 
     @property
     def total_bytes(self) -> int:

@@ -12,6 +12,7 @@ UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: e
 STAGING_BYTES = 128 * 2**20  # device memory for residual blobs between their copy and their decode
 MIN_STAGING_BUFFERS = 2  # at least one blob in flight while one decodes
 
+
 class CopyRecord(NamedTuple):
     """One expert copy: its start and end (events on CUDA, perf_counter on CPU), bytes, and the event it
     waited for (the last use of the device row it writes; None if none)."""
@@ -69,12 +70,7 @@ class DeviceStreams:
         """
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
-            start = time.perf_counter()
-            dst.copy_(src)
-            span = (start, time.perf_counter())
-            self._copies.append(CopyRecord(*span, nbytes))
-            if demand:
-                self._stalls.append(span)
+            self._on_host(lambda: dst.copy_(src), nbytes, demand)
             return None
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = self.copy_stream
@@ -96,36 +92,27 @@ class DeviceStreams:
         self._copies.append(CopyRecord(start, ready, nbytes, after))
         return ready
 
-    def copy_decoded(self, dst: torch.Tensor, blob: torch.Tensor, decode, after=None, demand: bool = False,
-                     previous=None):
+    def copy_decoded(self, dst: torch.Tensor, blob: torch.Tensor, decode, capacity: int, after=None,
+                     demand: bool = False, previous=None):
         """dst <- decode(blob on the device, dst) (a residual load); returns its ready event.
 
-        The blob crosses PCIe on the copy stream into a staging buffer (as many as STAGING_BYTES holds, at
-        least MIN_STAGING_BUFFERS; each reused once the decode that read it has ended), without waiting for
-        dst's row: the decode stream waits for the blob, for `after` (the row's last use) and `previous` (the
-        row's last copy), then decodes into dst.
+        The blob crosses PCIe on the copy stream into a staging buffer of `capacity` elements (the longest
+        blob; as many buffers as STAGING_BYTES holds, at least MIN_STAGING_BUFFERS, each reused once the
+        decode that read it has ended), without waiting for dst's row: the decode stream waits for the blob,
+        for `after` (the row's last use) and `previous` (the row's last copy), then decodes into dst.
         On CPU `decode` reads the host blob directly, synchronously.
         """
         nbytes = blob.numel() * blob.element_size()
         if not self.cuda:
-            start = time.perf_counter()
-            decode(blob, dst)
-            span = (start, time.perf_counter())
-            self._copies.append(CopyRecord(*span, nbytes))
+            span = self._on_host(lambda: decode(blob, dst), nbytes, demand)
             self._decodes.append(span)
-            if demand:
-                self._stalls.append(span)
             return None
-        if not self._staging:  # a ring deep enough that a decode waiting for its row rarely stalls the copies
-            count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // max(nbytes, 1))
-            self._staging = [[None, None] for _ in range(count)]
+        if not self._staging or self._staging[0][0].numel() < capacity:  # allocated once per capacity
+            count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * blob.element_size()))
+            self._staging = [[torch.empty(capacity, dtype=blob.dtype, device=self.device), None]
+                             for _ in range(count)]
         staging = self._staging[self._staged % len(self._staging)]
         self._staged += 1
-        if staging[0] is None or staging[0].numel() < blob.numel():  # blobs differ in length: grow
-            if staging[0] is not None:  # the allocator may reuse it only after both streams are past it
-                staging[0].record_stream(self.copy_stream)
-                staging[0].record_stream(self.decode_stream)
-            staging[0] = torch.empty(blob.numel() + blob.numel() // 8, dtype=blob.dtype, device=self.device)
         start, arrived, decoding, ready = (torch.cuda.Event(enable_timing=True) for _ in range(4))
         compute = self.compute_stream()
         try:
@@ -149,6 +136,16 @@ class DeviceStreams:
         self._copies.append(CopyRecord(start, arrived, nbytes, after))
         self._decodes.append((decoding, ready))
         return ready
+
+    def _on_host(self, work, nbytes: int, demand: bool) -> tuple[float, float]:
+        """A copy on CPU: `work` now, timed and recorded (a `demand` copy as a stall too); its span."""
+        start = time.perf_counter()
+        work()
+        span = (start, time.perf_counter())
+        self._copies.append(CopyRecord(*span, nbytes))
+        if demand:
+            self._stalls.append(span)
+        return span
 
     def wait(self, ready) -> None:
         """Make the compute stream wait for a copy (no host sync); the stall is timed with two events."""
