@@ -4,7 +4,8 @@ For one routed expert of each model (gate_up, down; seeded weights, RTN draft co
 the pinned host-to-device copy of the raw 16-bit expert, the copy of its residual blob, and the Triton
 decode (`specter.kernels.residual_decode.decode_expert`, one launch) into device memory, each timed with
 CUDA events (median of --repeats, after 2 warm-up calls); and the host's time to issue one load through
-the offload runtime's streams, raw and residual. Correctness first: every decode is compared bit for bit
+the offload runtime's streams, raw and residual (the decode launched through Triton's JIT and through
+the cache's `DecodeLauncher`); --variants also times the kernel's variants. Correctness first: every decode is compared bit for bit
 with the original.
 
     python scripts/bench_residual.py --models dsv2 qwen --out DIR
@@ -16,12 +17,13 @@ import csv
 import importlib.util
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specter.kernels.residual_decode import DecodePlan, decode_expert, expert_operands, launch_decode  # noqa: E402
+from specter.kernels.residual_decode import DecodeLauncher, DecodePlan, decode_expert, expert_operands, launch_decode  # noqa: E402,E501
 from specter.models.registry import get_spec  # noqa: E402
 from specter.offload.streams import DeviceStreams  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
@@ -34,8 +36,7 @@ _spec.loader.exec_module(bench_kernel)  # its median_ms: CUDA-event timing, each
 
 
 DECODE_VARIANTS = {  # the kernel's grid cap and interval tables (DecodePlan)
-    "table": dict(code_table=True), "table_32_programs": dict(code_table=True, programs=32),
-    "table_66_programs": dict(code_table=True, programs=66), "per_weight_32_programs": dict(programs=32)}
+    "per_weight": dict(code_table=False), "32_programs": dict(programs=32), "66_programs": dict(programs=66)}
 
 
 def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
@@ -48,7 +49,7 @@ def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     return layout, torch.cat([w.flatten() for w in weights]), [quantize_rtn(w) for w in weights]
 
 
-def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
+def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool) -> dict:
     layout, weights, drafts = expert_parts(name, dtype)
     blob_host = encode_expert([w.view(shape) for w, shape in zip(weights.split([o * i for o, i in layout.shapes]),
                                                                      layout.shapes)], drafts).pin_memory()
@@ -60,7 +61,7 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
     if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
         raise AssertionError(f"{name} {dtype}: the decoded weights differ")
 
-    for variant in DECODE_VARIANTS.values():  # each variant bit-exact too
+    for variant in DECODE_VARIANTS.values() if variants else ():  # each variant bit-exact too
         rebuilt = decode_expert(blob_device, layout, drafts, torch.empty_like(raw_device), **variant)
         if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
             raise AssertionError(f"{name} {dtype} {variant}: the decoded weights differ")
@@ -70,40 +71,46 @@ def bench(name: str, dtype: torch.dtype, repeats: int) -> dict:
         lambda: decode_expert(blob_device, layout, drafts, raw_device)))
     variant_ms = {f"decode_ms_{label}": round(bench_kernel.median_ms(
         lambda v=variant: decode_expert(blob_device, layout, drafts, raw_device, **v), 2, repeats, cuda=True), 4)
-        for label, variant in DECODE_VARIANTS.items()}
+        for label, variant in DECODE_VARIANTS.items() if variants}
     raw_bytes, sent = raw_host.numel() * 2, blob_host.numel() * 4
-    host_raw_us, host_residual_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype)
+    host_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),
             "sent_mb": round(sent / 1e6, 3), "bits_per_weight": round(8 * sent / weights.numel(), 2),
             "raw_copy_ms": round(raw_ms, 4), "residual_copy_ms": round(blob_ms, 4),
             "decode_ms": round(decode_ms, 4), "decode_gbps": round(raw_bytes / decode_ms / 1e6, 1),
             "copy_plus_decode_over_raw": round((blob_ms + decode_ms) / raw_ms, 3),
             "copy_over_raw": round(blob_ms / raw_ms, 3),
-            "host_us_per_raw_load": round(host_raw_us, 1), "host_us_per_residual_load": round(host_residual_us, 1),
+            **{f"host_us_per_{path}_load": round(us, 1) for path, us in host_us.items()},
             **variant_ms}
 
 
-def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32) -> tuple:
-    """Host microseconds to issue one load through the offload runtime's streams (`DeviceStreams.copy` of the
-    raw expert; `copy_decoded` of the blob with the prepared decode launch), median over `loads` loads."""
+def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32) -> dict:
+    """Host microseconds to issue one load through the offload runtime's streams, median over `loads` loads:
+    `DeviceStreams.copy` of the raw expert (raw), `copy_decoded` of the blob with the decode launched through
+    Triton's JIT (residual_jit) and through the `DecodeLauncher` the cache uses (residual)."""
     streams = DeviceStreams(torch.device("cuda"))
     rows = torch.empty(2, raw_host.numel(), dtype=dtype, device="cuda")
     plan, operands = DecodePlan.of(layout, dtype), expert_operands(drafts, dtype)
-    decode = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
+    launcher = DecodeLauncher(plan)
+    jit = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
     issue = {"raw": lambda row: streams.copy(row, raw_host),
-             "residual": lambda row: streams.copy_decoded(row, blob_host, decode, blob_host.numel())}
-    medians = []
-    for name in ("raw", "residual"):
-        issue[name](rows[0])  # first use (allocations, compilation)
+             "residual_jit": lambda row: streams.copy_decoded(row, blob_host, jit, blob_host.numel()),
+             "residual": lambda row: streams.copy_decoded(row, blob_host, partial(launcher, operands),
+                                                          blob_host.numel())}
+    medians = {}
+    for name, load in issue.items():
+        load(rows[0])  # first use (allocations, compilation)
         streams.synchronize()
         times = []
         for i in range(loads):
             start = time.perf_counter()
-            issue[name](rows[i % 2])
+            load(rows[i % 2])
             times.append((time.perf_counter() - start) * 1e6)
         streams.synchronize()
-        medians.append(sorted(times)[len(times) // 2])
-    return tuple(medians)
+        medians[name] = sorted(times)[len(times) // 2]
+    if not torch.equal(rows[0], rows[1]):
+        raise AssertionError("the launcher's decodes differ from each other")
+    return medians
 
 
 def main() -> None:
@@ -111,13 +118,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["dsv2", "phi"])  # qwen: dsv2's expert shape
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="write residual_bench.csv here")
+    parser.add_argument("--variants", action="store_true", help="also time the kernel's variants (DECODE_VARIANTS)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench_residual.py needs a CUDA GPU")
     rows = []
     for name in args.models:
         for dtype in (torch.bfloat16, torch.float16):
-            rows.append(bench(name, dtype, args.repeats))
+            rows.append(bench(name, dtype, args.repeats, args.variants))
             print(" | ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

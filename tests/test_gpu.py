@@ -22,22 +22,28 @@ def last_logits(model, prefix: torch.Tensor) -> torch.Tensor:
         return model.hf(prefix.to(model.device)).logits[0, -1].float()  # [V]
 
 
+def float_state(model) -> dict:
+    """The model's weights in float32 (take it before offloading: the experts then leave the state dict)."""
+    return {key: value.float() for key, value in model.hf.state_dict().items()}
+
+
 def assert_equal_or_within_bf16_error(name: str, model, ids: torch.Tensor, tokens: list[int], reference: list[int],
-                                      what) -> None:
+                                      what, state: dict | None = None) -> None:
     """Equal tokens, or a first divergence that bfloat16's own error on that prefix explains.
 
     A verify pass computes k + 1 positions in one forward where target-only computes one: other GEMM
     shapes, other rounding. In bfloat16 (8 significant bits) a tiny random model's logits move by up to
     e = max |logits_bf16 - logits_fp32| (the same weights in float32) on a prefix, so the gap between two
     logits by up to 2e. A divergence is rounding when the float32 twin prefers Specter's token or the bf16
-    gap is within 2e; a wider gap that float32 confirms is a bug.
+    gap is within 2e; a wider gap that float32 confirms is a bug. `state`: the weights (`float_state`) if
+    the model's experts have moved to the host store since.
     """
     if tokens == reference:
         return
     i = next(j for j, (a, b) in enumerate(zip(tokens, reference)) if a != b)
     prefix = torch.cat([ids, torch.tensor([reference[:i]], dtype=ids.dtype)], dim=1)
     twin = specter.load_model(name, device="cuda", dtype=torch.float32)
-    twin.hf.load_state_dict({key: value.float() for key, value in model.hf.state_dict().items()})
+    twin.hf.load_state_dict(state if state is not None else float_state(model))
     half, full = last_logits(model, prefix), last_logits(twin, prefix)
     gap, error = (half[reference[i]] - half[tokens[i]]).abs(), (half - full).abs().max()
     assert full[tokens[i]] >= full[reference[i]] or gap <= 2 * error, (what, i, float(gap), float(error))
@@ -119,12 +125,12 @@ def test_host_experts_on_cuda_give_the_targets_tokens(name, dtype, monkeypatch):
 
     monkeypatch.setattr(runtime_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
     model = specter.load_model(name, device="cuda", dtype=dtype)
-    ids = prompt()
+    ids, state = prompt(), float_state(model)
     reference = TargetOnly(model).generate(ids, 32).token_ids
     for residual in (False, True):
         config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, host_experts=True, residual_transfer=residual)
         out = specter.SpecterEngine(model, config).generate(ids, 32)
-        assert_equal_or_within_bf16_error(name, model, ids, out.token_ids, reference, (name, residual))
+        assert_equal_or_within_bf16_error(name, model, ids, out.token_ids, reference, (name, residual), state)
         assert out.stats["host_expert_runs"] > 0
 
 

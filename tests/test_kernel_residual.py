@@ -50,7 +50,7 @@ def test_blob_splits_back_into_its_linears():
     assert layout.stream_word + gate_up.words.numel() + down.words.numel() == blob.numel()
 
 
-VARIANTS = [dict(), dict(code_table=True), dict(programs=3), dict(programs=5, code_table=True)]
+VARIANTS = [dict(), dict(code_table=False), dict(programs=3), dict(programs=5, code_table=False)]
 
 
 def test_a_batched_encode_gives_each_experts_own_blob():
@@ -88,7 +88,7 @@ def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape, varian
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq"])
-@pytest.mark.parametrize("variant", VARIANTS, ids=["per-weight", "code-table", "3-programs", "5-programs-table"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["code-table", "per-weight", "3-programs", "5-programs-per-weight"])
 def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
     layout, blob, drafts, weights = make_expert(2048, 1408, GROUP_SIZE, dtype, draft)
     drafts = [d.to("cuda") for d in drafts]
@@ -101,13 +101,35 @@ def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
 def test_kernel_rebuilds_a_tiny_models_offloaded_experts(dtype):
     """The launch the copy path makes (prepared plan and operands) on a residual store's blobs."""
     import specter
-    from specter.kernels.residual_decode import DecodePlan, expert_operands, launch_decode
+    from specter.kernels.residual_decode import DecodeLauncher, DecodePlan, expert_operands
     from specter.offload.runtime import offload_experts
 
     runtime = offload_experts(specter.load_model("tiny-qwen", device="cpu", dtype=dtype), 2, residual=True)
-    residuals, plan = runtime.residuals, DecodePlan.of(runtime.residuals.layout, dtype)
+    residuals, launcher = runtime.residuals, DecodeLauncher(DecodePlan.of(runtime.residuals.layout, dtype))
     for layer, expert in [(0, 0), (0, 5), (1, 7)]:
         operands = expert_operands(residuals.expert_drafts(layer, expert), dtype)
         out = torch.empty(runtime.store.numel, dtype=dtype)
-        rebuilt = launch_decode(plan, operands, residuals.blob(layer, expert), out)
+        rebuilt = launcher(operands, residuals.blob(layer, expert), out)
         assert torch.equal(bits_of(rebuilt), bits_of(runtime.store.expert(layer, expert)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_launcher_reuses_its_compiled_kernel_bit_exactly_on_cuda(dtype):
+    """After its first launch the DecodeLauncher calls the compiled kernel directly: blobs of other lengths,
+    at other offsets (unaligned included), and other output rows still decode bit for bit."""
+    from specter.kernels.residual_decode import DecodeLauncher, DecodePlan, expert_operands
+
+    experts = [make_expert(256, 128, GROUP_SIZE, dtype, "rtn", seed=seed) for seed in range(4)]
+    launcher = DecodeLauncher(DecodePlan.of(experts[0][0], dtype))
+    staging = torch.zeros(max(e[1].numel() for e in experts) + 8, dtype=torch.int32, device="cuda")
+    out = torch.empty(3, experts[0][3].numel() + 8, dtype=dtype, device="cuda")
+    for i, (_, blob, drafts, weights) in enumerate(experts + experts):
+        start = i % 3  # offsets of 0, 4 and 8 bytes
+        staged = staging[start:start + blob.numel()]
+        staged.copy_(blob)
+        row = out[i % 3, start:start + weights.numel()]
+        launcher(expert_operands([d.to("cuda") for d in drafts], dtype), staged, row)
+        assert torch.equal(bits_of(row.cpu()), bits_of(weights)), i
+    assert len(launcher.runners) >= 2  # aligned and unaligned pointers compile apart

@@ -110,7 +110,7 @@ class ExpertCache:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
-        self.decode_plan = None if residuals is None else residuals.plan(decode_programs)
+        self.decode_launcher = None if residuals is None else residuals.launcher(decode_programs)
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
                     decode_programs if residuals is not None else None)  # what offload_experts compares
         self.policy, self.spare_rows = policy, spare_rows
@@ -294,7 +294,7 @@ class ExpertCache:
         if self.residuals is None:
             slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
         else:
-            decode = partial(self.residuals.decode, layer, expert, self.decode_plan)
+            decode = partial(self.residuals.decode, layer, expert, self.decode_launcher)
             slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
                                                           decode, self.residuals.max_blob_words, **waits)
         return slot

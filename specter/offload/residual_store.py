@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from specter.errors import SpecterError
-from specter.kernels.residual_decode import TRITON_AVAILABLE, DecodePlan, expert_operands, launch_decode
+from specter.kernels.residual_decode import TRITON_AVAILABLE, DecodeLauncher, DecodePlan, expert_operands
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import pin
 from specter.quant.int4 import Int4Linear, select_expert
@@ -86,14 +86,14 @@ class ResidualExpertStore:
     def expert_drafts(self, layer: int, expert: int) -> list[Int4Linear]:
         return [select_expert(draft, expert) for draft in self.drafts[layer]]
 
-    def plan(self, programs: int = 0) -> DecodePlan | None:
-        """The decode launches' plan with a grid of at most `programs` (0: no cap); None without the kernel."""
-        return DecodePlan.of(self.layout, self.dtype, programs) if self.use_kernel else None
+    def launcher(self, programs: int = 0) -> DecodeLauncher | None:
+        """The decode launches, with a grid of at most `programs` (0: no cap); None without the kernel."""
+        return DecodeLauncher(DecodePlan.of(self.layout, self.dtype, programs)) if self.use_kernel else None
 
-    def decode(self, layer: int, expert: int, plan: DecodePlan | None, blob: torch.Tensor,
+    def decode(self, layer: int, expert: int, launcher: DecodeLauncher | None, blob: torch.Tensor,
                out: torch.Tensor) -> torch.Tensor:
         """The expert's exact weights into `out` (a flat 16-bit slot row) from its blob on the compute device:
-        the Triton kernel on CUDA (launched with `plan`), the torch reference elsewhere."""
-        if plan is not None:
-            return launch_decode(plan, self.operands[layer][expert], blob, out)
+        the Triton kernel on CUDA (through `launcher`), the torch reference elsewhere."""
+        if launcher is not None:
+            return launcher(self.operands[layer][expert], blob, out)
         return out.copy_(decode_expert_reference(blob, self.layout, self.expert_drafts(layer, expert), self.dtype))
