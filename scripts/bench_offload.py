@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import csv
 import gc
 import io
 import pstats
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import specter  # noqa: E402
 from baselines.target_only import TargetOnly  # noqa: E402
-from specter.metrics import gc_paused  # noqa: E402
+from specter.metrics import gc_paused, write_rows_csv  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -277,11 +276,7 @@ def main() -> None:
                                  args.dtype and getattr(torch, args.dtype))
         print_table(model_rows)
         rows += model_rows
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "offload.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows_csv(args.out / "offload.csv", rows)
 
 
 if __name__ == "__main__":

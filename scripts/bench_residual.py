@@ -13,7 +13,6 @@ with the original.
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specter.kernels.residual_decode import DecodeLauncher, DecodePlan, decode_expert, expert_operands, launch_decode  # noqa: E402,E501
+from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.offload.streams import DeviceStreams  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
@@ -128,11 +128,7 @@ def main() -> None:
             rows.append(bench(name, dtype, args.repeats, args.variants))
             print(" | ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "residual_bench.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows_csv(args.out / "residual_bench.csv", rows)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
 # the kernel's variants, the host's cost per load), then dsv2 K=8 at MEMS (default "low high") with Specter
 # raw and RESIDUAL_VARIANTS (default: residual transfer, with a 32-program decode grid, host experts, both).
+# host: one expert on the host CPU (bench_host_experts.py: dtypes x threads x tokens, the runtime's estimate)
+# beside its PCIe copy, for dsv2 and phi.
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -64,6 +66,8 @@ for step in "${STEPS[@]}"; do
                   residual_transfer=true,host_experts=true} 2>&1 | grep -v -i -E "warn|max_cache_len" \
                   | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
               done ;;
+    host) python3 scripts/bench_host_experts.py --models dsv2 phi --out "$OUT" 2>&1 | grep -v -i warn
+          rc=${PIPESTATUS[0]} ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \

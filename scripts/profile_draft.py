@@ -9,7 +9,6 @@ name (torch.profiler), and writes profile.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specter  # noqa: E402
 from specter.hooks import attributes_set  # noqa: E402
 from specter.kernels.moe_align import MoEWorkspace  # noqa: E402
+from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.hybrid_experts import DRAFT, TARGET  # noqa: E402
 from specter.offload.draft_graph import DraftStepGraph  # noqa: E402
 from specter.prefetch.lookahead import ExpertLookaheadBuffer  # noqa: E402
@@ -98,11 +98,7 @@ def profile(model, args) -> None:
     eager_step()
     rows = kernel_table(eager_step, "eager step", args.top) + kernel_table(lambda: graph.step(token), "graph replay",
                                                                             args.top)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "profile.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows_csv(args.out / "profile.csv", rows)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ for bit.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.quant.gptq import gptq_quantize  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_to_codes, symmetric_scales, unpack_codes  # noqa: E402
@@ -83,11 +83,7 @@ def main() -> None:
                     rows.append(measure(name, dtype, law, draft))
                     print(" | ".join(str(v) for v in rows[-1].values()), flush=True)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "residual_bits.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows_csv(args.out / "residual_bits.csv", rows)
 
 
 if __name__ == "__main__":

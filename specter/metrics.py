@@ -1,14 +1,26 @@
 """Decode metrics: TPOT, TTFT, acceptance rate, accepted lengths, per-phase times."""
 from __future__ import annotations
 
+import csv
 import gc
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from specter.offload.timeline import Timeline
+
+
+def write_rows_csv(path: Path, rows: list[dict]) -> Path:
+    """Rows (dicts with the first row's keys) to a CSV file at `path`, its folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
 
 
 @contextmanager

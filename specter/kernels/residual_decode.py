@@ -198,8 +198,7 @@ class DecodeLauncher:
             if compiled is not None:  # None under the interpreter: every launch goes through it
                 self.runners[key] = compiled[(*self.plan.grid, 1, 1)[:3]]  # the launcher reads three grid sizes
             return out
-        runner(*tensors, *self.plan.layout_args, blob.numel(), *self.constants,
-               stream=torch.cuda.current_stream(out.device).cuda_stream)
+        runner(*tensors, *self.plan.layout_args, blob.numel(), *self.constants)  # on the current stream
         return out
 
 

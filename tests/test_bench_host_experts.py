@@ -1,0 +1,22 @@
+"""scripts/bench_host_experts.py on CPU: one tiny expert's rows, with the copy marked unavailable."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_host_experts.py"
+spec = importlib.util.spec_from_file_location("bench_host_experts", SCRIPT)
+bench_host_experts = sys.modules.setdefault("bench_host_experts", importlib.util.module_from_spec(spec))
+spec.loader.exec_module(bench_host_experts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rows (a GPU adds the measured copy)")
+def test_rows_per_thread_count_and_token_count():
+    threads = torch.get_num_threads()
+    rows = bench_host_experts.bench("tiny-qwen", torch.bfloat16, [1, 2], repeats=1)
+    assert [(r["threads"], r["tokens"]) for r in rows] == [(t, n) for t in (1, 2) for n in bench_host_experts.TOKENS]
+    assert all(r["cpu_ms"] > 0 and r["estimate_ms"] >= 0 for r in rows)
+    assert all(r["copy_ms"] == "unavailable: no CUDA device" and r["dtype"] == "bfloat16" for r in rows)
+    assert torch.get_num_threads() == threads  # restored
