@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specter.quant.int4 import (GROUP_SIZE, dequantize, pack_codes, quantize_rtn, select_expert,
+from specter.quant.int4 import (GROUP_SIZE, dequantize, pack_codes, quantize_rtn, quantize_to_codes, select_expert,
                                 symmetric_scales, unpack_codes)
 
 
@@ -13,6 +13,15 @@ def test_pack_unpack_round_trip(shape):
     assert packed.dtype == torch.int32
     assert packed.shape == (*shape[:-2], shape[-1] // 8, shape[-2])  # [..., in/8, out]
     assert torch.equal(unpack_codes(packed), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_codes_round_each_weight_over_its_groups_scale(dtype):
+    weight = (0.02 * torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(0))).to(dtype)
+    scales = symmetric_scales(weight, 16)  # [2, 6, 4]
+    per_weight = scales.repeat_interleave(16, dim=-1)  # [2, 6, 64]
+    expected = torch.clamp(torch.round(weight.float() / per_weight) + 8, 0, 15).to(torch.uint8)
+    assert torch.equal(quantize_to_codes(weight, scales, 16), expected)
 
 
 def test_gptq_nibble_order():

@@ -54,18 +54,17 @@ def symmetric_scales(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> torc
 
 def quantize_to_codes(weight: torch.Tensor, scales: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
     """Round W [..., out, in] to 4-bit codes given scales [..., out, in/g]; returns uint8 codes in [0, 15]."""
-    per_col = scales.repeat_interleave(group_size, dim=-1)  # [..., out, in]
-    return torch.clamp(torch.round(weight.float() / per_col) + ZERO_POINT, 0, MAXQ).to(torch.uint8)
+    groups = weight.float().unflatten(-1, (-1, group_size)) / scales.unsqueeze(-1)  # [..., out, in/g, g]
+    return torch.clamp(torch.round(groups) + ZERO_POINT, 0, MAXQ).to(torch.uint8).flatten(-2)
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., out, in] -> int32 qweight [..., in/8, out] (8 nibbles along the input dim)."""
-    c = codes.transpose(-1, -2).to(torch.int64)  # [..., in, out]
-    c = c.unflatten(-2, (-1, PACK))  # [..., in/8, 8, out]
-    shifts = (torch.arange(PACK, device=codes.device) * 4).view(PACK, 1)
-    packed = (c << shifts).sum(dim=-2)  # [..., in/8, out], < 2**32
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed)
-    return packed.to(torch.int32)
+    c = codes.transpose(-1, -2).unflatten(-2, (-1, PACK))  # [..., in/8, 8, out] uint8
+    packed = c[..., 0, :].to(torch.int32)  # [..., in/8, out]
+    for nibble in range(1, PACK):  # int32 shifts wrap: nibble 7 lands in the sign bit, as the layout wants
+        packed |= c[..., nibble, :].to(torch.int32) << (4 * nibble)
+    return packed
 
 
 def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
