@@ -275,6 +275,18 @@ class TestCuda:
         if computed.any():
             assert rel_err(out[computed], ref[computed]) < 3e-2
 
+    def test_compiled_launches_give_the_jits_rows(self, kernels, layer):
+        """A workspace launches a signature's later calls through the compiled kernel's own launcher
+        (`CompiledLaunch`): across token counts and repeats, the rows of a fresh JIT launch, bit for bit."""
+        buf, slot_of, hidden, inter, experts, k = layer
+        ws = MoEWorkspace()
+        for tokens in (1, 17, 1, 17, 64, 64):
+            x, idx, out = self.case(layer, tokens)
+            jit = out.clone()
+            kernels.slot_moe_rows(x, idx, buf, slot_of, inter, out, workspace=ws)
+            kernels.slot_moe_rows(x, idx, buf, slot_of, inter, jit)  # no workspace: through the JIT
+            assert torch.equal(out, jit), tokens
+
     def test_call_does_not_synchronize(self, kernels, layer):
         buf, slot_of, hidden, inter, experts, k = layer
         x, idx, out = self.case(layer, 16)

@@ -12,6 +12,7 @@ def test_pack_unpack_round_trip(shape):
     packed = pack_codes(codes)
     assert packed.dtype == torch.int32
     assert packed.shape == (*shape[:-2], shape[-1] // 8, shape[-2])  # [..., in/8, out]
+    assert packed.is_contiguous()  # kernels index it as row-major memory
     assert torch.equal(unpack_codes(packed), codes)
 
 

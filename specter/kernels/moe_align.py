@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specter.kernels.launch import CompiledLaunch
+
 try:
     import triton
     import triton.language as tl
@@ -21,13 +23,22 @@ MAX_ONE_LAUNCH = 16384  # pairs x experts (both padded to powers of two) one pro
 
 class MoEWorkspace:
     """Reusable intermediate buffers, keyed by (name, dtype, device) and grown on demand; one per stream.
+    Also each kernel's `CompiledLaunch` (the host-cheap launches of its compiled kernels).
 
     `one_launch`: the one-launch alignment kernel may be tried (False once this Triton failed to compile it).
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._launches: dict = {}
         self.one_launch = True
+
+    def launch(self, kernel) -> CompiledLaunch:
+        """The kernel's launches through its compiled kernels (`specter.kernels.launch`), kept here."""
+        found = self._launches.get(kernel)
+        if found is None:
+            found = self._launches[kernel] = CompiledLaunch(kernel)
+        return found
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = 1
@@ -42,6 +53,11 @@ class MoEWorkspace:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def compiled_launch(workspace: MoEWorkspace | None, kernel) -> CompiledLaunch:
+    """`workspace`'s launches of `kernel` (a fresh CompiledLaunch, which goes through the JIT, without one)."""
+    return CompiledLaunch(kernel) if workspace is None else workspace.launch(kernel)
 
 
 def scratch(workspace: MoEWorkspace | None, name, shape, dtype, device) -> torch.Tensor:
@@ -159,7 +175,7 @@ def moe_align_triton(top_k_index: torch.Tensor, num_experts: int, block_m: int,
     expert_ids = torch.empty(blocks, dtype=torch.long, device=device)
     padded = torch.empty(num_experts, dtype=torch.long, device=device)
     num_padded = torch.empty(1, dtype=torch.long, device=device)
-    _align_kernel[(1,)](flat, sorted_ids, expert_ids, padded, num_padded, num_pairs, num_experts, blocks,
-                        BLOCK_M=block_m, P=_pow2(num_pairs), E=_pow2(num_experts), B=_pow2(blocks), R=256,
-                        num_warps=8)
+    compiled_launch(workspace, _align_kernel)(
+        (1,), flat, sorted_ids, expert_ids, padded, num_padded, num_pairs, num_experts, blocks, BLOCK_M=block_m,
+        P=_pow2(num_pairs), E=_pow2(num_experts), B=_pow2(blocks), R=256, num_warps=8)
     return Alignment(sorted_ids, expert_ids, num_padded, padded, block_m)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specter.kernels.launch import CompiledLaunch
 from specter.quant.int4 import Int4Linear
 from specter.quant.residual import MARGINS, RAW_CLASS, RAW_BITS
 from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_expert  # noqa: F401
@@ -109,7 +110,7 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + out_base + rows[:, None] * in_features + cols[None, :], bits.to(tl.int16),
                  mask=row_ok[:, None])
 
-    @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length (DecodeLauncher)
+    @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
         blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
         out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte, blob_words,
@@ -166,39 +167,28 @@ def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch
 
 
 def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: torch.Tensor,
-                  out: torch.Tensor):
+                  out: torch.Tensor) -> torch.Tensor:
     """One decode launch on the current stream through Triton's JIT (`decode_expert` with its plan and
-    operands prepared); returns the compiled kernel (None under the interpreter)."""
-    return _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), *MARGINS,
-                                              RAW_CLASS, RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16,
-                                              plan.code_table)
+    operands prepared; `DecodeLauncher` is the same launch with less host time). Returns `out`."""
+    _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), *MARGINS, RAW_CLASS,
+                                       RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16, plan.code_table)
+    return out
 
 
 class DecodeLauncher:
-    """The decode launches of one plan, with little host time per launch (a cache load makes one each).
-
-    Triton's JIT specialises every argument on each call (about 30 here), which costs more host time than
-    the copy it follows. The first launch per pointer alignment goes through the JIT, which compiles; later
-    ones call that compiled kernel's launcher directly. The JIT specialises pointers on 16-byte alignment
-    and integers on their values; the integers are the plan's constants and the blob length is not
-    specialised, so the alignments of the six tensors are the whole specialisation key.
-    """
+    """The decode launches of one plan, with little host time per launch (a cache load makes one each):
+    through `CompiledLaunch`, the blob length left out of the signature (the kernel does not specialise it),
+    so one compiled kernel serves every expert."""
 
     def __init__(self, plan: DecodePlan) -> None:
         self.plan = plan
-        self.constants = (*MARGINS, RAW_CLASS, RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16, plan.code_table)
-        self.runners = {}  # alignment key -> the compiled kernel's launcher for plan.grid
+        self.launch = CompiledLaunch(_residual_decode_kernel, unspecialised=("blob_words",))
+        self.constants = dict(zip(("M0", "M1", "M2", "M3"), MARGINS), RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
+                              GROUP=plan.group_size, BLOCK_ROWS=BLOCK_ROWS, IS_BF16=plan.is_bf16,
+                              CODE_TABLE=plan.code_table)
 
     def __call__(self, operands: tuple[torch.Tensor, ...], blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        tensors = (blob, out, *operands)
-        key = tuple(t.data_ptr() % 16 == 0 for t in tensors)
-        runner = self.runners.get(key)
-        if runner is None:
-            compiled = launch_decode(self.plan, operands, blob, out)
-            if compiled is not None:  # None under the interpreter: every launch goes through it
-                self.runners[key] = compiled[(*self.plan.grid, 1, 1)[:3]]  # the launcher reads three grid sizes
-            return out
-        runner(*tensors, *self.plan.layout_args, blob.numel(), *self.constants)  # on the current stream
+        self.launch(self.plan.grid, blob, out, *operands, *self.plan.layout_args, blob.numel(), **self.constants)
         return out
 
 
@@ -210,8 +200,7 @@ def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linea
     if not TRITON_AVAILABLE:
         raise RuntimeError("decode_expert needs Triton; decode_expert_reference is the torch reference")
     plan = DecodePlan.of(layout, out.dtype, programs, code_table)
-    launch_decode(plan, expert_operands(drafts, out.dtype), blob, out)
-    return out
+    return launch_decode(plan, expert_operands(drafts, out.dtype), blob, out)
 
 
 def _cdiv(a: int, b: int) -> int:

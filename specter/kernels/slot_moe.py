@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 
 from specter.kernels.int4_moe import KernelConfig, MoEWorkspace, is_silu, scratch, moe_align_block_size
-from specter.kernels.moe_align import Alignment
+from specter.kernels.moe_align import Alignment, compiled_launch
 from specter.kernels.reference import expert_mlp
 
 try:
@@ -171,11 +171,13 @@ def slot_moe_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: 
     grid_m = align.expert_ids.numel()
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _slot_gate_up_kernel[(grid_m, triton.cdiv(intermediate, cfg.block_n))](
+    compiled_launch(workspace, _slot_gate_up_kernel)(
+        (grid_m, triton.cdiv(intermediate, cfg.block_n)),
         hidden, slot_buffer, slot_of_expert, inter_buf, align.sorted_pair_ids, align.expert_ids, num_padded,
         num_pairs, top_k_index.shape[1], h, intermediate, hidden.stride(0), slot_buffer.stride(0),
         inter_buf.stride(0), **common)
-    _slot_down_kernel[(grid_m, triton.cdiv(h, cfg.block_n))](
+    compiled_launch(workspace, _slot_down_kernel)(
+        (grid_m, triton.cdiv(h, cfg.block_n)),
         inter_buf, slot_buffer, slot_of_expert, rows, align.sorted_pair_ids, align.expert_ids, num_padded,
         num_pairs, intermediate, h, 2 * intermediate * h, inter_buf.stride(0), slot_buffer.stride(0),
         rows.stride(0), **common)

@@ -61,7 +61,7 @@ def quantize_to_codes(weight: torch.Tensor, scales: torch.Tensor, group_size: in
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., out, in] -> int32 qweight [..., in/8, out] (8 nibbles along the input dim)."""
     c = codes.transpose(-1, -2).unflatten(-2, (-1, PACK))  # [..., in/8, 8, out] uint8
-    packed = c[..., 0, :].to(torch.int32)  # [..., in/8, out]
+    packed = c[..., 0, :].to(torch.int32, memory_format=torch.contiguous_format)  # [..., in/8, out] row-major
     for nibble in range(1, PACK):  # int32 shifts wrap: nibble 7 lands in the sign bit, as the layout wants
         packed |= c[..., nibble, :].to(torch.int32) << (4 * nibble)
     return packed

@@ -1,0 +1,56 @@
+"""Triton launches with little host time: a compiled kernel's own launcher, after the JIT's first launch.
+
+Triton's JIT derives every argument's specialisation on each call, tens of microseconds of host time for
+a kernel with many arguments: more than a cache load or a verify wave can spare. `CompiledLaunch` keys
+each call by a signature that fixes the JIT's specialisation (each tensor's dtype, device and 16-byte
+alignment, every other argument's value, the constexprs and launch options), sends the first call of a
+signature through the JIT (which compiles or finds the kernel) and later calls straight to that compiled
+kernel's launcher. Arguments the kernel declares `do_not_specialize` may be left out of the signature.
+Under the interpreter (no compiled kernel) every call goes through the JIT.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _signature(value):
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.get_device(), value.data_ptr() % 16 == 0
+    return value
+
+
+class CompiledLaunch:
+    """`launch(grid, *args, **constexprs)` is `kernel[grid](*args, **constexprs)`, through the compiled
+    kernel's launcher once the JIT has launched that signature. `constexprs` holds the kernel's trailing
+    parameters by name (those not given fall back to their defaults) and launch options (num_warps, ...)."""
+
+    def __init__(self, kernel, unspecialised: tuple[str, ...] = ()) -> None:
+        self.kernel = kernel
+        self.names = list(kernel.arg_names)
+        self.skip = {self.names.index(name) for name in unspecialised}
+        self.compiled = {}  # signature -> compiled kernel (None: the interpreter)
+        self.runners = {}  # (signature, grid) -> (launcher, trailing parameter values)
+
+    def __call__(self, grid: tuple, *args, **constexprs) -> None:
+        key = (tuple(None if i in self.skip else _signature(a) for i, a in enumerate(args)),
+               tuple(constexprs.items()))
+        runner = self.runners.get((key, grid))
+        if runner is not None:
+            launcher, trailing = runner
+            launcher(*args, *trailing)
+            return
+        if key not in self.compiled:
+            self.compiled[key] = self.kernel[grid](*args, **constexprs)
+            self._bind(key, grid, len(args), constexprs)
+            return
+        self._bind(key, grid, len(args), constexprs)
+        self(grid, *args, **constexprs)
+
+    def _bind(self, key, grid: tuple, given: int, constexprs: dict) -> None:
+        compiled = self.compiled[key]
+        if compiled is None:  # interpreted: nothing to bind, every call goes through the JIT
+            self.compiled.pop(key)
+            return
+        defaults = {param.name: param.default for param in self.kernel.params}
+        trailing = tuple(constexprs[name] if name in constexprs else defaults[name] for name in self.names[given:])
+        self.runners[(key, grid)] = (compiled[(*grid, 1, 1)[:3]], trailing)  # the launcher reads three sizes
