@@ -1,6 +1,7 @@
 """CompiledLaunch: which calls go through the JIT and what the compiled kernel's launcher receives."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from specter.kernels.launch import CompiledLaunch
@@ -61,3 +62,15 @@ def test_interpreted_kernels_always_go_through_the_jit():
     for _ in range(3):
         launch((1,), torch.zeros(4), 1, 2, BLOCK=8)
     assert len(kernel.jit_calls) == 3 and not kernel.launches
+
+
+def test_a_launcher_that_refuses_its_arguments_leaves_the_jit_with_a_warning():
+    kernel = Jit()
+    kernel.launcher = lambda grid3: (lambda *args: (_ for _ in ()).throw(TypeError("expected 3 arguments")))
+    launch = CompiledLaunch(kernel)
+    x = torch.zeros(4)
+    launch((1,), x, 1, 2, BLOCK=8)
+    with pytest.warns(RuntimeWarning, match="refused its arguments"):
+        launch((1,), x, 1, 2, BLOCK=8)
+    launch((1,), x, 1, 2, BLOCK=8)
+    assert len(kernel.jit_calls) == 3 and launch.jit_only

@@ -6,9 +6,12 @@ each call by a signature that fixes the JIT's specialisation (each tensor's dtyp
 alignment, every other argument's value, the constexprs and launch options), sends the first call of a
 signature through the JIT (which compiles or finds the kernel) and later calls straight to that compiled
 kernel's launcher. Arguments the kernel declares `do_not_specialize` may be left out of the signature.
-Under the interpreter (no compiled kernel) every call goes through the JIT.
+Under the interpreter (no compiled kernel) every call goes through the JIT, and so does every call after
+a launcher refused its arguments (a Triton whose launcher takes another argument list), with a warning.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -30,14 +33,17 @@ class CompiledLaunch:
         self.skip = {self.names.index(name) for name in unspecialised}
         self.compiled = {}  # signature -> compiled kernel (None: the interpreter)
         self.runners = {}  # (signature, grid) -> (launcher, trailing parameter values)
+        self.jit_only = False  # set when a compiled kernel's launcher refused its arguments
 
     def __call__(self, grid: tuple, *args, **constexprs) -> None:
+        if self.jit_only:
+            self.kernel[grid](*args, **constexprs)
+            return
         key = (tuple(None if i in self.skip else _signature(a) for i, a in enumerate(args)),
                tuple(constexprs.items()))
         runner = self.runners.get((key, grid))
         if runner is not None:
-            launcher, trailing = runner
-            launcher(*args, *trailing)
+            self._launch_compiled(runner, grid, args, constexprs)
             return
         if key not in self.compiled:
             self.compiled[key] = self.kernel[grid](*args, **constexprs)
@@ -45,6 +51,16 @@ class CompiledLaunch:
             return
         self._bind(key, grid, len(args), constexprs)
         self(grid, *args, **constexprs)
+
+    def _launch_compiled(self, runner: tuple, grid: tuple, args: tuple, constexprs: dict) -> None:
+        launcher, trailing = runner
+        try:
+            launcher(*args, *trailing)
+        except TypeError as exc:  # raised before launching: the argument list did not parse
+            warnings.warn(f"{getattr(self.kernel, '__name__', 'a Triton kernel')}: the compiled kernel's launcher "
+                          f"refused its arguments ({exc}); launching through the JIT", RuntimeWarning)
+            self.jit_only = True
+            self.kernel[grid](*args, **constexprs)
 
     def _bind(self, key, grid: tuple, given: int, constexprs: dict) -> None:
         compiled = self.compiled[key]
