@@ -11,18 +11,28 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments import systems as systems_module
 from experiments.main import checkpoint_overrides
-from experiments.settings import (DERIVED, busy_warning, check_run_settings, load_note, machine_state, model_choice,
-                                  results_dir, specter_config, specter_fields, workload)
+from experiments.settings import (
+    DERIVED,
+    busy_warning,
+    check_run_settings,
+    load_note,
+    machine_state,
+    model_choice,
+    results_dir,
+    specter_config,
+    specter_fields,
+    workload,
+)
 from experiments.summarize import main as summarize_main
 from experiments.summarize import summarize_dir
 from experiments.systems import build_system, known_systems
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
+from tests.cli import cli_error, compose_with
 from tests.conftest import pristine_hf, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,11 +42,6 @@ CONF = ROOT / "conf"
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def compose_with(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("model", options("model"))
@@ -306,7 +311,17 @@ def test_a_run_resumes_only_into_a_directory_of_the_same_config(tmp_path, monkey
     (("model=dsv2", "model.weights=synthetic", "mem=gb", "mem.gb=5"),
      "5 GB GPU budget is too small: it needs at least 10.89 GB"),
 ])
-def test_bad_input_is_one_line_and_non_zero(tmp_path, args, message):
+def test_bad_input_is_one_line_and_non_zero(tmp_path, monkeypatch, args, message):
+    error = cli_error(tmp_path, monkeypatch, *args, f"results_dir={tmp_path / 'r'}")
+    assert message in error and "\n" not in error
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (("model=nope",), "unknown model 'nope'"),  # before Hydra
+    (("k=0",), "k must be an integer >= 1"),  # in run
+])
+def test_the_command_line_prints_one_line_and_exits_2(tmp_path, args, message):
     result = run_main(*args, f"results_dir={tmp_path / 'r'}", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error:") and message in result.stderr
@@ -430,10 +445,8 @@ def test_model_label_names_the_default_results_dir(tmp_path, monkeypatch):
     (("model={ckpt}/absent/",), "checkpoint path {ckpt}/absent does not exist"),
     (("model={ckpt}",), "{ckpt} is not an HF checkpoint directory (no config.json)"),
 ], ids=["other-architecture", "unsupported-type", "unsupported-type-explicit", "absent", "no-config-json"])
-def test_bad_checkpoint_directory_is_one_line_and_non_zero(tmp_path, checkpoints, args, message):
-    result = run_main(*(a.format(ckpt=checkpoints) for a in args), *CHECKPOINT_FAST, f"results_dir={tmp_path / 'r'}",
-                      cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip().startswith("error:") and message.format(ckpt=checkpoints) in result.stderr
-    assert result.stderr.strip().count("\n") == 0
+def test_bad_checkpoint_directory_is_one_line_and_non_zero(tmp_path, monkeypatch, checkpoints, args, message):
+    error = cli_error(tmp_path, monkeypatch, *(a.format(ckpt=checkpoints) for a in args), *CHECKPOINT_FAST,
+                      f"results_dir={tmp_path / 'r'}")
+    assert message.format(ckpt=checkpoints) in error and "\n" not in error
     assert not (tmp_path / "r").exists()
