@@ -42,15 +42,13 @@ class CompiledLaunch:
         key = (tuple(None if i in self.skip else _signature(a) for i, a in enumerate(args)),
                tuple(constexprs.items()))
         runner = self.runners.get((key, grid))
-        if runner is not None:
-            self._launch_compiled(runner, grid, args, constexprs)
-            return
-        if key not in self.compiled:
-            self.compiled[key] = self.kernel[grid](*args, **constexprs)
-            self._bind(key, grid, len(args), constexprs)
-            return
-        self._bind(key, grid, len(args), constexprs)
-        self(grid, *args, **constexprs)
+        if runner is None:
+            if key not in self.compiled:  # the JIT compiles (or finds) and launches
+                self.compiled[key] = self.kernel[grid](*args, **constexprs)
+                self._bind(key, grid, len(args), constexprs)
+                return
+            runner = self._bind(key, grid, len(args), constexprs)  # a known kernel at another grid
+        self._launch_compiled(runner, grid, args, constexprs)
 
     def _launch_compiled(self, runner: tuple, grid: tuple, args: tuple, constexprs: dict) -> None:
         launcher, trailing = runner
@@ -62,11 +60,14 @@ class CompiledLaunch:
             self.jit_only = True
             self.kernel[grid](*args, **constexprs)
 
-    def _bind(self, key, grid: tuple, given: int, constexprs: dict) -> None:
+    def _bind(self, key, grid: tuple, given: int, constexprs: dict) -> tuple | None:
+        """The launcher of `key`'s compiled kernel at `grid` with its trailing parameters, kept (None when
+        interpreted: nothing to bind, every call goes through the JIT)."""
         compiled = self.compiled[key]
-        if compiled is None:  # interpreted: nothing to bind, every call goes through the JIT
+        if compiled is None:
             self.compiled.pop(key)
-            return
+            return None
         defaults = {param.name: param.default for param in self.kernel.params}
         trailing = tuple(constexprs[name] if name in constexprs else defaults[name] for name in self.names[given:])
-        self.runners[(key, grid)] = (compiled[(*grid, 1, 1)[:3]], trailing)  # the launcher reads three sizes
+        runner = self.runners[(key, grid)] = (compiled[(*grid, 1, 1)[:3]], trailing)  # the launcher reads 3 sizes
+        return runner

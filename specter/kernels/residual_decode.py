@@ -19,7 +19,7 @@ from specter.quant.residual_expert import BlobLayout, decode_expert_reference, e
 
 BLOCK_ROWS = 16
 DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)
-CODE_TABLE = True  # per-row tables of the 16 code intervals (DecodePlan.code_table; as fast or faster on the H200)
+CODE_TABLE = True  # per-row tables of the 16 code intervals (DecodePlan.code_table)
 
 try:
     import triton
