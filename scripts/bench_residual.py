@@ -5,7 +5,8 @@ the pinned host-to-device copy of the raw 16-bit expert, the copy of its residua
 decode (`specter.kernels.residual_decode.decode_expert`, one launch) into device memory, each timed with
 CUDA events (median of --repeats, after 2 warm-up calls); and the host's time to issue one load through
 the offload runtime's streams, raw and residual (the decode launched through Triton's JIT and through
-the cache's `DecodeLauncher`); --variants also times the kernel's variants. Correctness first: every decode is compared bit for bit
+the cache's `DecodeLauncher`, alone or GROUP loads per launch as `residual_decode_group` does); --variants
+also times the kernel's variants. Correctness first: every decode is compared bit for bit
 with the original.
 
     python scripts/bench_residual.py --models dsv2 qwen --out DIR
@@ -22,10 +23,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specter.kernels.residual_decode import DecodeLauncher, DecodePlan, decode_expert, expert_operands, launch_decode  # noqa: E402,E501
+from specter.kernels.residual_decode import (DecodeLauncher, DecodePlan, decode_expert, expert_operands,  # noqa: E402
+                                             group_table, launch_decode)
 from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
-from specter.offload.streams import DeviceStreams  # noqa: E402
+from specter.offload.streams import DecodeGroup, DeviceStreams  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
 from specter.quant.residual import bits_of  # noqa: E402
 from specter.quant.residual_expert import encode_expert, expert_layout  # noqa: E402
@@ -84,33 +86,43 @@ def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool) -> dict:
             **variant_ms}
 
 
+GROUP = 4  # loads per decode launch of the grouped path
+
+
 def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32) -> dict:
     """Host microseconds to issue one load through the offload runtime's streams, median over `loads` loads:
     `DeviceStreams.copy` of the raw expert (raw), `copy_decoded` of the blob with the decode launched through
-    Triton's JIT (residual_jit) and through the `DecodeLauncher` the cache uses (residual)."""
+    Triton's JIT (residual_jit), through the `DecodeLauncher` the cache uses (residual), and through its
+    grouped launch, GROUP loads per launch (residual_group: each sample is a whole group, divided by GROUP)."""
     streams = DeviceStreams(torch.device("cuda"))
-    rows = torch.empty(2, raw_host.numel(), dtype=dtype, device="cuda")
+    rows = torch.empty(2 * GROUP, raw_host.numel(), dtype=dtype, device="cuda")
     plan, operands = DecodePlan.of(layout, dtype), expert_operands(drafts, dtype)
     launcher = DecodeLauncher(plan)
+    stacked = tuple(operand.unsqueeze(0) for operand in operands)  # a layer of one expert
+    group = DecodeGroup("bench", GROUP, lambda staging, items: launcher.group(
+        stacked, staging, rows, streams.upload(group_table(items, staging.shape[1], rows), ring="decode")))
     jit = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
-    issue = {"raw": lambda row: streams.copy(row, raw_host),
-             "residual_jit": lambda row: streams.copy_decoded(row, blob_host, jit, blob_host.numel()),
-             "residual": lambda row: streams.copy_decoded(row, blob_host, partial(launcher, operands),
-                                                          blob_host.numel())}
+    one = {"raw": lambda row: streams.copy(rows[row], raw_host),
+           "residual_jit": lambda row: streams.copy_decoded(rows[row], blob_host, jit, blob_host.numel()),
+           "residual": lambda row: streams.copy_decoded(rows[row], blob_host, partial(launcher, operands),
+                                                        blob_host.numel())}
+    issue = {name: (1, load) for name, load in one.items()}
+    issue["residual_group"] = (GROUP, lambda row: [streams.copy_decoded(
+        rows[row * GROUP + i], blob_host, None, blob_host.numel(), group=group, member=0) for i in range(GROUP)])
     medians = {}
-    for name, load in issue.items():
-        load(rows[0])  # first use (allocations, compilation)
+    for name, (per_sample, load) in issue.items():
+        load(0)  # first use (allocations, compilation)
         streams.synchronize()
         times = []
-        for i in range(loads):
+        for i in range(loads // per_sample):
             start = time.perf_counter()
-            load(rows[i % 2])
-            times.append((time.perf_counter() - start) * 1e6)
+            load(i % 2)
+            times.append((time.perf_counter() - start) * 1e6 / per_sample)
         streams.synchronize()
         medians[name] = sorted(times)[len(times) // 2]
-    for row in rows:  # the last loads went through the launcher: both rows hold the expert bit for bit
+    for row in rows:  # the last loads went through the grouped launch: every row holds the expert bit for bit
         if not torch.equal(bits_of(row.cpu()), bits_of(raw_host)):
-            raise AssertionError("a decode through the DecodeLauncher differs from the raw expert")
+            raise AssertionError("a decode through the DecodeLauncher's grouped launch differs from the raw expert")
     return medians
 
 

@@ -49,6 +49,8 @@ class SpecterConfig:
       expert) in a worker thread, while the copy stream brings the others (specter.verify.host_experts).
     residual_decode_programs: grid cap of each residual decode launch (0: a program per tile of the expert);
       a small grid leaves the other SMs to the compute stream while the decode runs beside it.
+    residual_decode_group: residual loads of one layer decoded by one launch (1: a launch per load): fewer
+      launches and events on the host, while a group's first expert waits for its last blob.
     max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
       of the paper's protocol, 16 + 128 tokens, fits 256). Attention covers every position of it each
       step, and DeepSeek-V2 re-expands its MLA latent over all of them, so it is kept short.
@@ -73,6 +75,7 @@ class SpecterConfig:
     residual_transfer: bool = False
     host_experts: bool = False
     residual_decode_programs: int = 0
+    residual_decode_group: int = 1
     max_cache_len: int = 256
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class SpecterConfig:
             raise SpecterError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         _integer(self, "spare_rows", 0)
         _integer(self, "residual_decode_programs", 0)
+        _integer(self, "residual_decode_group", 1)
         _integer(self, "max_cache_len", 1)
 
     @property

@@ -133,3 +133,29 @@ def test_launcher_reuses_its_compiled_kernel_bit_exactly_on_cuda(dtype):
         launcher(expert_operands([d.to("cuda") for d in drafts], dtype), staged, row)
         assert torch.equal(bits_of(row.cpu()), bits_of(weights)), i
     assert len(launcher.launch.compiled) >= 2  # aligned and unaligned pointers compile apart
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_launch_rebuilds_several_experts_of_a_layer(dtype):
+    """`decode_experts`: blobs at their staging offsets, each expert into its own pool row (not in order)."""
+    import specter
+    from specter.kernels.residual_decode import decode_experts, group_table
+    from specter.offload.runtime import offload_experts
+
+    runtime = offload_experts(specter.load_model("tiny-qwen", device="cpu", dtype=dtype), 2, residual=True)
+    residuals, store, layer, experts = runtime.residuals, runtime.store, 1, [6, 0, 3]
+    capacity = residuals.max_blob_words
+    staging = torch.zeros(len(experts), capacity, dtype=torch.int32)
+    for row, expert in enumerate(experts):
+        blob = residuals.blob(layer, expert)
+        staging[row, :blob.numel()] = blob
+    pool = torch.zeros(len(experts) + 1, store.numel, dtype=dtype)
+    out_rows = [2, 0, 3]
+    items = group_table([(row, residuals.blob(layer, e).numel(), pool[out_rows[row]], e) for row, e in enumerate(experts)],
+                        capacity, pool)
+    assert items[0].tolist() == [0, residuals.blob(layer, 6).numel(), 6, 2 * store.numel]
+    decode_experts(staging, pool, items, residuals.layout, list(residuals.drafts[layer]))
+    for expert, row in zip(experts, out_rows):
+        assert torch.equal(bits_of(pool[row]), bits_of(store.expert(layer, expert)))
+    assert not pool[1].any()  # no item writes the unused row

@@ -110,14 +110,13 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + out_base + rows[:, None] * in_features + cols[None, :], bits.to(tl.int16),
                  mask=row_ok[:, None])
 
-    @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
-    def _residual_decode_kernel(
-        blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte, blob_words,
-        M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
-        RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-        CODE_TABLE: tl.constexpr,
-    ):
+    @triton.jit
+    def _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
+                             blob_words, M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr,
+                             RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
+                             BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr):
+        """This program's tiles of one expert (every num_programs(0)-th from program_id(0))."""
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
         bits_ptr = out_ptr.to(tl.pointer_type(tl.int16))  # the 16-bit patterns of the weights
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):  # a grid below `tiles` leaves SMs free
@@ -128,6 +127,39 @@ if TRITON_AVAILABLE:
             else:  # linear 1 (down)
                 _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
                              group_base1, out_base1, stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
+                             BLOCK_ROWS, IS_BF16, CODE_TABLE)
+
+    @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
+    def _residual_decode_kernel(
+        blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte, blob_words,
+        M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
+        RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
+        CODE_TABLE: tl.constexpr,
+    ):
+        _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
+                             blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE)
+
+    @triton.jit
+    def _residual_decode_group_kernel(
+        staging_ptr, pool_ptr, items_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+        qweight0_stride, scales0_stride, qweight1_stride, scales1_stride,
+        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
+        M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
+        RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
+        CODE_TABLE: tl.constexpr,
+    ):
+        """Several experts of one layer, one per program_id(1): items [n, 4] int64 holds each one's blob offset
+        in `staging` (words), blob length (words), expert index into the layer's stacked drafts, and output
+        offset in `pool` (elements)."""
+        item = items_ptr + tl.program_id(1) * 4
+        blob_offset, blob_words = tl.load(item), tl.load(item + 1)
+        expert, out_offset = tl.load(item + 2), tl.load(item + 3)
+        _decode_expert_tiles(staging_ptr + blob_offset, pool_ptr + out_offset, qweight0_ptr + expert * qweight0_stride,
+                             scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
+                             scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, tiles, group_base1,
+                             out_base1, stream_word, class_byte, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
                              BLOCK_ROWS, IS_BF16, CODE_TABLE)
 
 
@@ -157,8 +189,9 @@ class DecodePlan:
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(qweight0, scales0, qweight1, scales1) of an expert's drafts as the kernel reads them: scales in the
-    weights' `dtype` (as the reference rounds them), bf16 ones as their int16 patterns."""
+    """(qweight0, scales0, qweight1, scales1) of an expert's drafts (or of a layer's stacked [E, ...] drafts)
+    as the kernel reads them: scales in the weights' `dtype` (as the reference rounds them), bf16 ones as
+    their int16 patterns."""
     operands = []
     for draft in drafts:
         scales = draft.scales if draft.scales.dtype == dtype else draft.scales.to(dtype)
@@ -176,13 +209,14 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
 
 
 class DecodeLauncher:
-    """The decode launches of one plan, with little host time per launch (a cache load makes one each):
-    through `CompiledLaunch`, the blob length left out of the signature (the kernel does not specialise it),
-    so one compiled kernel serves every expert."""
+    """The decode launches of one plan, with little host time per launch (a cache load makes one each, or
+    a group of loads one): through `CompiledLaunch`, the blob length left out of the signature (the kernel
+    does not specialise it), so one compiled kernel serves every expert."""
 
     def __init__(self, plan: DecodePlan) -> None:
         self.plan = plan
         self.launch = CompiledLaunch(_residual_decode_kernel, unspecialised=("blob_words",))
+        self.group_launch = CompiledLaunch(_residual_decode_group_kernel)
         self.constants = dict(zip(("M0", "M1", "M2", "M3"), MARGINS), RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
                               GROUP=plan.group_size, BLOCK_ROWS=BLOCK_ROWS, IS_BF16=plan.is_bf16,
                               CODE_TABLE=plan.code_table)
@@ -190,6 +224,33 @@ class DecodeLauncher:
     def __call__(self, operands: tuple[torch.Tensor, ...], blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.launch(self.plan.grid, blob, out, *operands, *self.plan.layout_args, blob.numel(), **self.constants)
         return out
+
+    def group(self, layer_operands: tuple[torch.Tensor, ...], staging: torch.Tensor, pool: torch.Tensor,
+              items: torch.Tensor) -> None:
+        """Several experts of one layer in one launch (`decode_experts`), on the current stream."""
+        strides = tuple(operand.stride(0) for operand in layer_operands)  # one expert's step in each [E, ...]
+        self.group_launch((self.plan.grid[0], items.shape[0]), staging, pool, items, *layer_operands, *strides,
+                          *self.plan.layout_args, **self.constants)
+
+
+def group_table(items: list[tuple], staging_width: int, pool: torch.Tensor) -> torch.Tensor:
+    """`decode_experts`' items [n, 4] int64 (on the host) of loads given as (staging row, blob words,
+    destination row: a view into `pool`, expert), with staging rows `staging_width` words apart."""
+    base, width = pool.data_ptr(), pool.element_size()
+    return torch.tensor([[row * staging_width, words, expert, (dst.data_ptr() - base) // width]
+                         for row, words, dst, expert in items], dtype=torch.int64)
+
+
+def decode_experts(staging: torch.Tensor, pool: torch.Tensor, items: torch.Tensor, layout: BlobLayout,
+                   layer_drafts: list[Int4Linear], programs: int = DECODE_PROGRAMS,
+                   code_table: bool = CODE_TABLE) -> torch.Tensor:
+    """Several experts of one layer at once: for each row (blob offset in `staging` (int32 words), blob
+    words, expert, output offset in `pool` (elements)) of `items` [n, 4] int64 (on the device), the expert's
+    exact weights into `pool` (16-bit, flat) from its blob in `staging` and its layer's stacked drafts
+    (qweight [E, in/8, out], scales [E, in/g, out]); one launch on the current stream. Returns `pool`."""
+    launcher = DecodeLauncher(DecodePlan.of(layout, pool.dtype, programs, code_table))
+    launcher.group(expert_operands(layer_drafts, pool.dtype), staging, pool, items)
+    return pool
 
 
 def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor,

@@ -8,8 +8,9 @@ from typing import NamedTuple
 
 import torch
 
+from specter.kernels.residual_decode import group_table
 from specter.offload.host_store import HostExpertStore
-from specter.offload.streams import DeviceStreams
+from specter.offload.streams import DecodeGroup, DeviceStreams
 
 PREFETCH, DEMAND = "prefetch", "demand"
 CAUSES = (PREFETCH, "ahead", "verify")  # what evicted an expert that the same window loads again
@@ -105,14 +106,18 @@ class ExpertCache:
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
-                 streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_programs: int = 0) -> None:
+                 streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_programs: int = 0,
+                 decode_group: int = 1) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
         self.decode_launcher = None if residuals is None else residuals.launcher(decode_programs)
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
-                    decode_programs if residuals is not None else None)  # what offload_experts compares
+                    (decode_programs, decode_group) if residuals is not None else None)  # offload_experts compares
+        grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
+        self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
+                              for layer in range(store.num_layers)] if grouped else None
         self.policy, self.spare_rows = policy, spare_rows
         rows = store.num_layers * slots_per_layer + spare_rows
         self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
@@ -295,9 +300,21 @@ class ExpertCache:
             slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
         else:
             decode = partial(self.residuals.decode, layer, expert, self.decode_launcher)
+            group = None if self.decode_groups is None else self.decode_groups[layer]
             slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
-                                                          decode, self.residuals.max_blob_words, **waits)
+                                                          decode, self.residuals.max_blob_words, **waits,
+                                                          group=group, member=expert)
         return slot
+
+    def _decode_group(self, layer: int, staging: torch.Tensor, items: list[tuple]) -> None:
+        """One launch decoding a group of this layer's loads (`DecodeGroup.launch`), its table on the device."""
+        table = group_table(items, staging.shape[1], self.pool)  # [n, 4]
+        self.residuals.decode_group(layer, self.decode_launcher, staging, self.pool,
+                                    self.streams.upload(table, ring="decode"))
+
+    def flush_loads(self) -> None:
+        """Start the decodes of loads still waiting for their group (grouped residual loads; else nothing)."""
+        self.streams.flush_decodes()
 
     def _swap_in_spare(self, slots: LayerSlots, slot: int) -> SpareRow:
         """The row a load into `slot` writes: the spare released longest ago, the slot's old row becoming a

@@ -41,6 +41,7 @@ class ResidualExpertStore:
         # Each load's launch arguments, prepared once per expert: its drafts' views.
         self.operands = [[expert_operands(self.expert_drafts(layer, e), dtype) for e in range(len(offsets[layer]) - 1)]
                          for layer in range(len(drafts))] if self.use_kernel else None
+        self.layer_operands = [expert_operands(list(d), dtype) for d in drafts] if self.use_kernel else None
 
     @classmethod
     def build(cls, store: HostExpertStore, experts: list) -> ResidualExpertStore:
@@ -97,3 +98,9 @@ class ResidualExpertStore:
         if launcher is not None:
             return launcher(self.operands[layer][expert], blob, out)
         return out.copy_(decode_expert_reference(blob, self.layout, self.expert_drafts(layer, expert), self.dtype))
+
+    def decode_group(self, layer: int, launcher: DecodeLauncher, staging: torch.Tensor, pool: torch.Tensor,
+                     items: torch.Tensor) -> None:
+        """Several of the layer's experts in one launch (`specter.kernels.residual_decode.decode_experts`:
+        items [n, 4] on the device, blobs in `staging`, outputs in `pool`)."""
+        launcher.group(self.layer_operands[layer], staging, pool, items)

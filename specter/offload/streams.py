@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -23,6 +24,29 @@ class CopyRecord(NamedTuple):
     after: object = None
 
 
+class DecodeGroup(NamedTuple):
+    """How consecutive residual loads share one decode launch: loads of one `key` (a layer), up to `size` of
+    them; `launch(staging, items)` decodes them on the current stream, items being (staging row, blob words,
+    destination, member) per load (`member`: what the caller passed with the load, e.g. the expert)."""
+
+    key: object
+    size: int
+    launch: Callable
+
+
+class PendingDecodes:
+    """The residual loads whose blobs are copied and whose group decode is not launched yet: one ready event
+    for all of them (recorded at the launch), the events the launch waits for (the last blob's arrival and
+    the destination rows' last uses and copies), the staging rows it reads."""
+
+    def __init__(self, group: DecodeGroup) -> None:
+        self.group, self.ready = group, torch.cuda.Event(enable_timing=True)
+        self.items, self.waits, self.rows, self.arrived = [], [], set(), None
+
+    def holds(self, *events) -> bool:
+        return any(event is self.ready for event in events)
+
+
 class DeviceStreams:
     """All stream/event handling of expert I/O lives here.
 
@@ -40,13 +64,15 @@ class DeviceStreams:
         self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # residual decodes
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
-        self._staging: list[list] = []  # [device buffer, event of the decode that read it last], made on first use
-        self._staged = 0  # residual copies issued (picks the staging buffer)
+        self._staging: torch.Tensor | None = None  # [buffers, capacity] device rows for blobs, made on first use
+        self._staging_read: list = []  # per staging row: event of the decode that read it last
+        self._staged = 0  # residual copies issued (picks the staging row)
+        self._pending: PendingDecodes | None = None  # grouped residual loads not decoded yet
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
         self._copies: list[CopyRecord] = []
         self._decodes: list[tuple] = []  # (start, end) of each residual decode
-        self._uploads: dict = {}  # (dtype, ring index) -> [pinned host buffer, event of its last copy]
-        self._upload_count = 0
+        self._uploads: dict = {}  # (ring, dtype, index) -> [pinned host buffer, event of its last copy]
+        self._upload_count: dict = {}  # ring -> uploads so far
 
     def record(self):
         """An event on the compute stream marking work enqueued so far (None on CPU)."""
@@ -72,6 +98,8 @@ class DeviceStreams:
         if not self.cuda:
             self._on_host(lambda: dst.copy_(src), nbytes, demand)
             return None
+        if self._pending is not None and self._pending.holds(after, previous):
+            self.flush_decodes()
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = self.copy_stream
         if self.split_waiting_copies:
@@ -93,13 +121,16 @@ class DeviceStreams:
         return ready
 
     def copy_decoded(self, dst: torch.Tensor, blob: torch.Tensor, decode, capacity: int, after=None,
-                     demand: bool = False, previous=None):
+                     demand: bool = False, previous=None, group: DecodeGroup | None = None, member=None):
         """dst <- decode(blob on the device, dst) (a residual load); returns its ready event.
 
-        The blob crosses PCIe on the copy stream into a staging buffer of `capacity` elements (the longest
-        blob; as many buffers as STAGING_BYTES holds, at least MIN_STAGING_BUFFERS, each reused once the
+        The blob crosses PCIe on the copy stream into a staging row of `capacity` elements (the longest
+        blob; as many rows as STAGING_BYTES holds, at least MIN_STAGING_BUFFERS, each reused once the
         decode that read it has ended), without waiting for dst's row: the decode stream waits for the blob,
         for `after` (the row's last use) and `previous` (the row's last copy), then decodes into dst.
+        With a `group`, the decode joins the pending group of its key instead (`member` travels with it),
+        launched by `group.launch` once `group.size` loads are in it, or when anything needs one of them
+        (`flush_decodes`); every load of a group returns the group's ready event.
         On CPU `decode` reads the host blob directly, synchronously.
         """
         nbytes = blob.numel() * blob.element_size()
@@ -107,35 +138,83 @@ class DeviceStreams:
             span = self._on_host(lambda: decode(blob, dst), nbytes, demand)
             self._decodes.append(span)
             return None
-        if not self._staging or self._staging[0][0].numel() < capacity:  # allocated once per capacity
-            count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * blob.element_size()))
-            self._staging = [[torch.empty(capacity, dtype=blob.dtype, device=self.device), None]
-                             for _ in range(count)]
-        staging = self._staging[self._staged % len(self._staging)]
-        self._staged += 1
-        start, arrived, decoding, ready = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+        row = self._staging_row(capacity, blob.dtype)
+        pending = self._pending
+        if pending is not None and (group is None or pending.group.key != group.key or row in pending.rows
+                                    or pending.holds(after, previous)):
+            self.flush_decodes()
+        start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         compute = self.compute_stream()
         try:
             torch.cuda.set_stream(self.copy_stream)
-            if staging[1] is not None:
-                self.copy_stream.wait_event(staging[1])  # the decode that read this buffer last
+            if self._staging_read[row] is not None:
+                self.copy_stream.wait_event(self._staging_read[row])  # the decode that read this row last
             start.record(self.copy_stream)
-            staged = staging[0][:blob.numel()]
+            staged = self._staging[row, :blob.numel()]
             staged.copy_(blob, non_blocking=True)
             arrived.record(self.copy_stream)
-            torch.cuda.set_stream(self.decode_stream)
-            for event in (arrived, after, previous):
-                if event is not None:
-                    self.decode_stream.wait_event(event)
-            decoding.record(self.decode_stream)
-            decode(staged, dst)
-            ready.record(self.decode_stream)
+            if group is None:
+                ready = self._decode_now(decode, staged, dst, (arrived, after, previous))
+            else:
+                ready = self._join_group(group, (row, blob.numel(), dst, member), (arrived, after, previous))
         finally:
             torch.cuda.set_stream(compute)
-        staging[1] = ready
+        self._staging_read[row] = ready
         self._copies.append(CopyRecord(start, arrived, nbytes, after))
+        if self._pending is not None and len(self._pending.items) >= self._pending.group.size:
+            self.flush_decodes()
+        return ready
+
+    def _staging_row(self, capacity: int, dtype: torch.dtype) -> int:
+        """The staging row the next residual copy uses (rows allocated once per capacity)."""
+        if self._staging is None or self._staging.shape[1] < capacity:
+            self.flush_decodes()
+            count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * dtype.itemsize))
+            self._staging = torch.empty(count, capacity, dtype=dtype, device=self.device)
+            self._staging_read = [None] * count
+        self._staged += 1
+        return (self._staged - 1) % self._staging.shape[0]
+
+    def _decode_now(self, decode, staged: torch.Tensor, dst: torch.Tensor, waits: tuple):
+        """One load's decode on the decode stream after `waits`; its ready event."""
+        decoding, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.set_stream(self.decode_stream)
+        for event in waits:
+            if event is not None:
+                self.decode_stream.wait_event(event)
+        decoding.record(self.decode_stream)
+        decode(staged, dst)
+        ready.record(self.decode_stream)
         self._decodes.append((decoding, ready))
         return ready
+
+    def _join_group(self, group: DecodeGroup, item: tuple, waits: tuple):
+        if self._pending is None:
+            self._pending = PendingDecodes(group)
+        pending = self._pending
+        arrived, *row_events = waits
+        pending.items.append(item)
+        pending.rows.add(item[0])
+        pending.arrived = arrived  # the copy stream runs in order: the last blob's arrival covers the others
+        pending.waits += [event for event in row_events if event is not None]
+        return pending.ready
+
+    def flush_decodes(self) -> None:
+        """Launch the pending group's decode (if any) on the decode stream, after every event it waits for."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        decoding, compute = torch.cuda.Event(enable_timing=True), self.compute_stream()
+        try:
+            torch.cuda.set_stream(self.decode_stream)
+            for event in dict.fromkeys([pending.arrived, *pending.waits]):  # each once, in order
+                self.decode_stream.wait_event(event)
+            decoding.record(self.decode_stream)
+            pending.group.launch(self._staging, pending.items)
+            pending.ready.record(self.decode_stream)
+        finally:
+            torch.cuda.set_stream(compute)
+        self._decodes.append((decoding, pending.ready))
 
     def _on_host(self, work, nbytes: int, demand: bool) -> tuple[float, float]:
         """A copy on CPU: `work` now, timed and recorded (a `demand` copy as a stall too); its span."""
@@ -153,6 +232,8 @@ class DeviceStreams:
 
     def wait_all(self, events: list) -> None:
         """`wait` for several copies (one launch's experts): one timed stall for those not finished yet."""
+        if self._pending is not None and self._pending.holds(*events):
+            self.flush_decodes()  # an unrecorded event would not hold the compute stream back
         pending = [event for event in events if event is not None and not event.query()]
         if not pending:
             return
@@ -172,14 +253,15 @@ class DeviceStreams:
         done.record(self.compute_stream())
         return HostRead(host, done)
 
-    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the device, copied on the compute stream without the host waiting for the
-        GPU: staged in one of UPLOAD_BUFFERS pinned buffers (the host waits only if that buffer's previous
-        copy has not run yet). On CPU the tensor itself."""
+    def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
+        """A small host tensor on the device, copied on the current stream without the host waiting for the
+        GPU: staged in one of UPLOAD_BUFFERS pinned buffers of `ring` (the host waits only if that buffer's
+        previous copy has not run yet; a stream of its own gets a ring of its own). On CPU the tensor itself."""
         if not self.cuda:
             return tensor
-        key = (tensor.dtype, self._upload_count % UPLOAD_BUFFERS)
-        self._upload_count += 1
+        count = self._upload_count.get(ring, 0)
+        key = (ring, tensor.dtype, count % UPLOAD_BUFFERS)
+        self._upload_count[ring] = count + 1
         buffer, last = self._uploads.get(key, (None, None))
         if last is not None:
             last.synchronize()
@@ -209,6 +291,7 @@ class DeviceStreams:
     def synchronize(self) -> None:
         """Host waits for compute and copies (only between requests, never on the decode path)."""
         if self.cuda:
+            self.flush_decodes()
             self.compute_stream().synchronize()
             self.copy_stream.synchronize()
             self.waiting_stream.synchronize()

@@ -200,6 +200,7 @@ def issue_prefetches(cache: ExpertCache, rows: Rows, planned: dict, predicted: d
         if cache.prefetch(layer, expert, keep, predicted.get(layer, frozenset())):
             planned.setdefault(layer, set()).add(expert)
             issued += 1
+    cache.flush_loads()  # grouped residual loads: the last group decodes now, not when verification needs it
     return issued
 
 
