@@ -2,8 +2,9 @@
 
 For one routed expert of each model (seeded weights in a `HostExpertStore`, pinned when a GPU is present,
 as the offload runtime keeps them): the host's time for `expert_mlp` at 1, 4 and 16 tokens in bf16, fp16 and
-float32 with 1, 4 and all of torch's threads (median of --repeats after a warm-up), the runtime's own
-estimate (`measure_host_cost`, as `host_experts` measures it at start-up) and, on a GPU, the pinned
+float32 with 1, 4 and all of torch's threads (median of --repeats after a warm-up), the estimate of
+`measure_host_cost` in this thread and as the runtime takes it at start-up (in its worker thread,
+`HostExpertRunner`) and, on a GPU, the pinned
 host-to-device copy of the same expert. Without a GPU the copy column says why it is missing.
 
     python scripts/bench_host_experts.py --models dsv2 phi --out DIR
@@ -23,7 +24,7 @@ from specter.kernels.reference import expert_mlp  # noqa: E402
 from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.offload.host_store import HostExpertStore  # noqa: E402
-from specter.verify.host_experts import measure_host_cost  # noqa: E402
+from specter.verify.host_experts import HostExpertRunner, measure_host_cost  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENS = (1, 4, 16)
@@ -78,10 +79,13 @@ def bench(name: str, dtype: torch.dtype, thread_counts: list[int], repeats: int)
         for threads in thread_counts:
             torch.set_num_threads(threads)
             estimate = measure_host_cost(store, torch.nn.functional.silu)
+            runner = HostExpertRunner(store, act=torch.nn.functional.silu)  # as the runtime measures it
+            runner.close()
             for tokens in TOKENS:
                 rows.append({"model": name, "dtype": str(dtype).removeprefix("torch."), "threads": threads,
                              "tokens": tokens, "cpu_ms": round(cpu_ms(store, tokens, repeats), 4),
-                             "estimate_ms": round(estimate.cpu_ms(tokens), 4), "copy_ms": copy,
+                             "estimate_ms": round(estimate.cpu_ms(tokens), 4),
+                             "worker_estimate_ms": round(runner.cost.cpu_ms(tokens), 4), "copy_ms": copy,
                              "pinned": store.buffers[0].is_pinned()})
     finally:
         torch.set_num_threads(default_threads)

@@ -124,10 +124,10 @@ def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
 def test_host_experts_on_cuda_give_the_targets_tokens(name, dtype, monkeypatch):
     """Every planned cold expert on the CPU (a free host path): the target's tokens up to rounding (the CPU's
     GEMMs round differently from the GPU's), with and without residual transfer."""
-    import specter.offload.runtime as runtime_module
+    import specter.verify.host_experts as host_experts_module
     from specter.verify.host_experts import HostCost
 
-    monkeypatch.setattr(runtime_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
+    monkeypatch.setattr(host_experts_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
     model = specter.load_model(name, device="cuda", dtype=dtype)
     ids, state = prompt(), float_state(model)
     reference = TargetOnly(model).generate(ids, 32).token_ids

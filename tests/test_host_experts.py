@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import specter
-import specter.offload.runtime as runtime_module
+import specter.verify.host_experts as host_experts_module
 from specter.verify.host_experts import HostCost, measure_host_cost, split_for_host
 from tests.conftest import hf_greedy, prompt
 
@@ -29,10 +29,26 @@ def test_the_measured_cost_grows_with_tokens():
     assert cost.fixed_ms >= 0 and cost.per_token_ms >= 0 and cost.cpu_ms(16) >= cost.cpu_ms(1) > 0
 
 
+def test_the_runner_measures_its_cost_in_its_own_worker_thread(monkeypatch):
+    """The start-up estimate is taken where the experts run: the worker thread, in inference mode."""
+    import threading
+
+    from specter.verify.host_experts import HostExpertRunner
+
+    seen = []
+    monkeypatch.setattr(host_experts_module, "measure_host_cost", lambda store, act: seen.append(
+        (threading.current_thread().name, torch.is_inference_mode_enabled(), act)) or HostCost(1.0, 0.5))
+    runner = HostExpertRunner(store=None, act="act")
+    runner.close()
+    assert runner.cost == HostCost(1.0, 0.5)
+    assert seen == [(seen[0][0], True, "act")] and seen[0][0].startswith("specter-host-experts")
+    assert HostExpertRunner(None, HostCost(2.0, 0.0)).cost == HostCost(2.0, 0.0) and len(seen) == 1
+
+
 @pytest.fixture
 def free_host(monkeypatch):
     """The host path costs nothing, so every planned expert that is not resident runs there."""
-    monkeypatch.setattr(runtime_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
+    monkeypatch.setattr(host_experts_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen", "tiny-mixtral"])

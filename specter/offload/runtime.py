@@ -17,7 +17,7 @@ from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.residual_store import ResidualExpertStore
 from specter.offload.streams import DeviceStreams
-from specter.verify.host_experts import HostCost, HostExpertRunner, measure_host_cost
+from specter.verify.host_experts import HostCost, HostExpertRunner
 from specter.verify.residency import ResidencyManager, VerifyOptions
 
 
@@ -64,9 +64,9 @@ class OffloadRuntime:
 
     def host_experts(self, act, cost: HostCost | None = None) -> HostExpertRunner:
         """The worker that runs experts on the host, made on first use with `cost` or, by default, a cost
-        measured then (`act`: the experts' activation)."""
+        its thread measures then (`act`: the experts' activation)."""
         if self.host_runner is None:
-            self.host_runner = HostExpertRunner(self.store, cost or measure_host_cost(self.store, act))
+            self.host_runner = HostExpertRunner(self.store, cost, act)
         return self.host_runner
 
 

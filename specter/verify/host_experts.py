@@ -71,9 +71,12 @@ class HostExpertRunner:
     [n, H] float32, their outputs (None, None when the target routed none of them).
     """
 
-    def __init__(self, store: HostExpertStore, cost: HostCost) -> None:
-        self.store, self.cost = store, cost
+    def __init__(self, store: HostExpertStore, cost: HostCost | None = None, act=None) -> None:
+        """`cost`, or by default one measured (`measure_host_cost` with `act`) in the worker thread that runs
+        the experts, in the mode they run in."""
+        self.store = store
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-host-experts")
+        self.cost = cost or self.pool.submit(torch.inference_mode()(measure_host_cost), store, act).result()
 
     def submit(self, layer: int, experts: set, hidden, routing, act) -> Future:
         """Run `experts` of `layer` once `hidden` ([T, H]) and `routing` ([T, k]) are on the host (HostReads)."""
