@@ -1,0 +1,128 @@
+"""Grouped residual decodes in DeviceStreams (residual_decode_group), on CPU through fake CUDA streams and events.
+
+The fakes keep a log of what each stream is asked to do and fail on a wait for an event nobody recorded
+(real CUDA would let such a wait pass at once: the race these tests guard against).
+"""
+import pytest
+import torch
+
+from specter.offload.streams import DecodeGroup, DeviceStreams
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.stream = None
+
+    def record(self, stream=None) -> None:
+        self.stream = stream
+        LOG.append(("record", stream.name if stream else None, self))
+
+    def query(self) -> bool:
+        return False  # still running on the device
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def wait_event(self, event) -> None:
+        assert event.stream is not None, f"{self.name} waits for an event that was never recorded"
+        LOG.append(("wait", self.name, event))
+
+    def synchronize(self) -> None:
+        pass
+
+
+LOG: list = []
+COMPUTE = FakeStream("compute")
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    """DeviceStreams on CPU memory with fake CUDA streams and events (copies run synchronously)."""
+    LOG.clear()
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: COMPUTE)
+    streams = DeviceStreams(torch.device("cpu"))
+    streams.cuda = True
+    streams.copy_stream, streams.decode_stream = FakeStream("copy"), FakeStream("decode")
+    streams.waiting_stream = FakeStream("waiting")
+    return streams
+
+
+def launches() -> list:
+    return [entry for entry in LOG if entry[0] == "launch"]
+
+
+def grouped(key, size: int = 3) -> DecodeGroup:
+    """A group whose launch writes each blob into its destination (the plumbing, not the residual decode)."""
+    def launch(staging: torch.Tensor, items: list) -> None:
+        LOG.append(("launch", key, [member for *_, member in items]))
+        for row, words, dst, _ in items:
+            dst[:words] = staging[row, :words]
+    return DecodeGroup(key, size, launch)
+
+
+def load(streams, dst, value: int, group, member, after=None, previous=None):
+    blob = torch.full((5 + member,), value, dtype=torch.int32)
+    return streams.copy_decoded(dst, blob, None, 16, after=after, previous=previous, group=group, member=member)
+
+
+@pytest.fixture
+def rows():
+    return torch.zeros(6, 16, dtype=torch.int32)
+
+
+def test_a_full_group_launches_once_with_every_load(streams, rows):
+    group = grouped("layer0", size=3)
+    events = [load(streams, rows[i], 10 + i, group, member=i) for i in range(3)]
+    assert launches() == [("launch", "layer0", [0, 1, 2])]
+    assert events[0] is events[1] is events[2] and events[0].stream.name == "decode"
+    for i in range(3):
+        assert rows[i, :5 + i].eq(10 + i).all() and not rows[i, 5 + i:].any()
+    assert streams.stats()["residual_decodes"] == 1 and streams.stats()["h2d_copies"] == 3
+
+
+def test_a_wait_for_a_pending_load_launches_its_group_first(streams, rows):
+    group = grouped("layer0", size=8)
+    ready = load(streams, rows[0], 7, group, member=0)
+    load(streams, rows[1], 8, group, member=1)
+    assert launches() == [] and ready.stream is None
+    streams.wait_all([ready])
+    assert launches() == [("launch", "layer0", [0, 1])]
+    assert ("wait", "compute", ready) in LOG and LOG.index(("wait", "compute", ready)) > LOG.index(launches()[0])
+
+
+def test_another_layer_a_pending_row_or_an_ungrouped_load_closes_the_group(streams, rows):
+    first, second = grouped("layer0", size=8), grouped("layer1", size=8)
+    ready = load(streams, rows[0], 1, first, member=0)
+    load(streams, rows[1], 2, second, member=1)  # another layer
+    assert launches() == [("launch", "layer0", [0])]
+    pending = load(streams, rows[2], 3, second, member=2)
+    load(streams, rows[3], 4, second, member=3, previous=pending)  # that row's last copy is in the group
+    assert launches()[1:] == [("launch", "layer1", [1, 2])]
+    streams.copy_decoded(rows[4], torch.ones(5, dtype=torch.int32), lambda blob, dst: dst[:5].copy_(blob), 16)
+    assert launches()[2:] == [("launch", "layer1", [3])] and rows[4, :5].eq(1).all()
+    assert ready.stream.name == "decode"
+
+
+def test_staging_rows_are_not_reused_by_a_pending_group(streams, rows, monkeypatch):
+    import specter.offload.streams as streams_module
+
+    monkeypatch.setattr(streams_module, "STAGING_BYTES", 1)  # the minimum: two staging rows
+    group = grouped("layer0", size=8)
+    load(streams, rows[0], 1, group, member=0)
+    load(streams, rows[1], 2, group, member=1)
+    assert launches() == []
+    load(streams, rows[2], 3, group, member=2)  # staging row 0 again: its group decodes first
+    assert launches() == [("launch", "layer0", [0, 1])]
+    streams.synchronize()  # flushes what is left
+    assert launches()[1:] == [("launch", "layer0", [2])]
+    assert [int(rows[i, 0]) for i in range(3)] == [1, 2, 3]
