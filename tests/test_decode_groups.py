@@ -12,6 +12,7 @@ from specter.offload.streams import DecodeGroup, DeviceStreams
 class FakeEvent:
     def __init__(self, enable_timing: bool = False) -> None:
         self.stream = None
+        LOG.append(("event", None, self))
 
     def record(self, stream=None) -> None:
         self.stream = stream
@@ -126,3 +127,19 @@ def test_staging_rows_are_not_reused_by_a_pending_group(streams, rows, monkeypat
     streams.synchronize()  # flushes what is left
     assert launches()[1:] == [("launch", "layer0", [2])]
     assert [int(rows[i, 0]) for i in range(3)] == [1, 2, 3]
+
+
+def test_a_group_of_four_makes_fewer_events_and_launches_per_load(streams, rows):
+    """What grouping saves on the host: events and decode launches per load (the copies stay one each)."""
+    decoded = []
+    single = [streams.copy_decoded(rows[i], torch.ones(5, dtype=torch.int32), lambda blob, dst: decoded.append(dst), 16)
+              for i in range(4)]
+    events_single = sum(entry[0] == "event" for entry in LOG)
+    assert len(set(map(id, single))) == 4 and len(decoded) == 4
+    assert events_single == 4 * 4  # start, arrived, decoding, ready per load
+    LOG.clear()
+    group = grouped("layer0", size=4)
+    for i in range(4):
+        load(streams, rows[i], i, group, member=i)
+    assert sum(entry[0] == "event" for entry in LOG) == 4 * 2 + 2  # start, arrived per load; 2 per group
+    assert len(launches()) == 1
