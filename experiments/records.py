@@ -11,10 +11,11 @@ import pandas as pd
 
 from specter.metrics import GenerationResult
 
+FLOOR_STATS = ("io_floor_ms_per_token", "io_floor_both_paths_ms_per_token", "host_expert_bytes_per_token")
 ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_length", "iterations",
              "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
              "h2d_bytes_per_token", "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
-             "prefetch_precision", "prefetch_recall", "throughput_tok_s")
+             "prefetch_precision", "prefetch_recall", "throughput_tok_s", *FLOOR_STATS)
 KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size")
 FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target", "token_agreement")
 
@@ -67,8 +68,10 @@ class RecordWriter:
     def __init__(self, out_dir: Path, resume: bool = False) -> None:
         self.path = out_dir / "records.csv"
         self.rows: list[dict] = []
+        self.fields = FIELDS
         if resume and self.path.exists():
             self.rows = read_records(self.path, repair=True).to_dict("records")
+            self.fields = existing_fields(self.path) or FIELDS  # a file from before a column was added keeps its own
         if not self.path.exists() or not resume or self.path.stat().st_size == 0:
             with open(self.path, "w", newline="") as f:
                 csv.DictWriter(f, fieldnames=FIELDS).writeheader()
@@ -86,7 +89,17 @@ class RecordWriter:
         if row.get("status") == "ok":
             self._done.add(self._key(row))
         with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore").writerow(row)
+            csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore").writerow(row)
+
+
+def existing_fields(path: Path) -> tuple[str, ...] | None:
+    """The columns of an existing records.csv when its header is whole and names only known columns, with
+    every key column (rows appended to it keep that header's columns); None otherwise."""
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if set(KEY) <= set(header) and set(header) <= set(FIELDS):
+        return tuple(header)
+    return None
 
 
 SUMMARY_KEYS = {  # experiment -> the columns its summary groups by
@@ -103,19 +116,23 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
     ok = records[records.status == "ok"].copy()
     if ok.empty:
         return missing.drop_duplicates().reset_index(drop=True)
-    for col in ROW_STATS:
-        ok[col] = pd.to_numeric(ok[col], errors="coerce")
+    for col in ROW_STATS:  # a column missing from an older file reads as not measured
+        ok[col] = pd.to_numeric(ok[col], errors="coerce") if col in ok else float("nan")
     ok["token_agreement"] = pd.to_numeric(ok.get("token_agreement", pd.Series(index=ok.index, dtype=float)),
                                           errors="coerce")
     metrics = {"tpot_ms": "mean", "tpot_median_ms": "median", "tpot_min_ms": "min", "tpot_max_ms": "max",
                "ttft_ms": "mean", "acceptance_rate": "mean", "mean_accepted_length": "mean",
                "hit_rate": "mean", "h2d_bytes_per_token": "mean", "prompt_id": "nunique"}
-    for optional in ("throughput_tok_s", "working_set_mean", "token_agreement"):  # batch / checked columns
+    for optional in ("throughput_tok_s", "working_set_mean", "token_agreement", *FLOOR_STATS):  # where measured
         if ok[optional].notna().any():
             metrics[optional] = "mean"
     ok = ok.assign(tpot_median_ms=ok.tpot_ms, tpot_min_ms=ok.tpot_ms, tpot_max_ms=ok.tpot_ms)
     summary = ok.groupby(list(by), sort=False).agg(metrics).reset_index().rename(columns={"prompt_id": "prompts"})
     summary["h2d_mb_per_token"] = summary.pop("h2d_bytes_per_token") / 1e6
+    if "host_expert_bytes_per_token" in summary:
+        summary["host_expert_mb_per_token"] = summary.pop("host_expert_bytes_per_token") / 1e6
+    if "io_floor_ms_per_token" in summary:
+        summary["tpot_over_io_floor"] = summary.tpot_ms / summary.io_floor_ms_per_token
     summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]
     if "dataset" in by:
         avg = summary.groupby([c for c in by if c != "dataset"], sort=False).mean(numeric_only=True).reset_index()

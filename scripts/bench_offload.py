@@ -37,6 +37,7 @@ import specter  # noqa: E402
 from baselines.target_only import TargetOnly  # noqa: E402
 from specter.metrics import gc_paused, write_rows_csv  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
+from specter.window_accounting import floor_with_host  # noqa: E402
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
@@ -105,18 +106,6 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
            for cause in ("slot", "host")},
         "tokens_match_resident": sum(r["tokens"] == ref for r, ref in zip(runs, reference)) / len(runs),
     }
-
-
-def floor_with_host(floor_ms: float, stats: dict, bytes_per_ms: float) -> float | None:
-    """The I/O floor when the host shares the missing experts (host_experts): both paths at their measured
-    rates, in parallel (c ms per load over PCIe, h ms per one-token expert on the CPU: floor * h / (c + h)).
-    A derived bound, not a measurement; None without host experts."""
-    cost = stats.get("host_expert_cost")
-    if not cost:
-        return None
-    copy_ms = stats["expert_load_bytes"] / bytes_per_ms
-    host_ms = cost["fixed_ms"] + cost["per_token_ms"]
-    return floor_ms * host_ms / (copy_ms + host_ms)
 
 
 def parse_variant(text: str) -> dict:

@@ -53,10 +53,3 @@ def test_variants_parse_numbers_and_names():
     config = specter.SpecterConfig(**bench.parse_variant("early_read_fraction=0"))
     assert config.early_read_fraction == 0
     assert specter.SpecterConfig(**bench.parse_variant("prefetch=false,cuda_graph=True")).prefetch is False
-
-
-def test_the_floor_of_both_paths_shares_the_missing_experts_by_rate():
-    stats = {"host_expert_cost": {"fixed_ms": 0.2, "per_token_ms": 0.1}, "expert_load_bytes": 3e6}
-    # copies 3e6 / 1e7 = 0.3 ms a load, the host 0.3 ms an expert: together twice the rate, half the floor
-    assert bench.floor_with_host(10.0, stats, bytes_per_ms=1e7) == 5.0
-    assert bench.floor_with_host(10.0, {"host_expert_cost": None}, bytes_per_ms=1e7) is None
