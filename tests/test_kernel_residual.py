@@ -159,3 +159,27 @@ def test_one_launch_rebuilds_several_experts_of_a_layer(dtype):
     for expert, row in zip(experts, out_rows):
         assert torch.equal(bits_of(pool[row]), bits_of(store.expert(layer, expert)))
     assert not pool[1].any()  # no item writes the unused row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_launch_rebuilds_several_dsv2_experts_on_cuda(dtype):
+    """`decode_experts` at the real expert shape: 3 seeded experts stacked as a layer, into shuffled pool rows."""
+    from specter.kernels.residual_decode import decode_experts, group_table
+    from specter.quant.int4 import Int4Linear
+
+    experts = [make_expert(2048, 1408, GROUP_SIZE, dtype, "rtn", seed=seed) for seed in range(3)]
+    layout, capacity = experts[0][0], max(e[1].numel() for e in experts)
+    drafts = [Int4Linear(torch.stack([e[2][p].qweight for e in experts]).cuda(),
+                         torch.stack([e[2][p].scales for e in experts]).cuda(), GROUP_SIZE) for p in range(2)]
+    staging = torch.zeros(3, capacity, dtype=torch.int32, device="cuda")
+    for row, (_, blob, _, _) in enumerate(experts):
+        staging[row, :blob.numel()] = blob.cuda()
+    pool = torch.zeros(4, experts[0][3].numel(), dtype=dtype, device="cuda")
+    out_rows = [3, 0, 1]
+    items = group_table([(row, e[1].numel(), pool[out_rows[row]], row) for row, e in enumerate(experts)], capacity, pool)
+    decode_experts(staging, pool, items.cuda(), layout, drafts)
+    for (_, _, _, weights), row in zip(experts, out_rows):
+        assert torch.equal(bits_of(pool[row].cpu()), bits_of(weights))
+    assert not pool[2].any()
