@@ -143,3 +143,17 @@ def test_a_group_of_four_makes_fewer_events_and_launches_per_load(streams, rows)
         load(streams, rows[i], i, group, member=i)
     assert sum(entry[0] == "event" for entry in LOG) == 4 * 2 + 2  # start, arrived per load; 2 per group
     assert len(launches()) == 1
+
+
+def test_freeing_a_cache_runs_its_pending_decodes_first(streams, rows):
+    """A pool is dropped only once nothing still writes into it."""
+    from specter.offload.eviction import RoutingCounts, make_policy
+    from specter.offload.expert_cache import ExpertCache
+    from specter.offload.host_store import HostExpertStore
+
+    store = HostExpertStore(1, 2, 16, 16, torch.float32, torch.device("cpu"))
+    cache = ExpertCache(store, 1, torch.device("cpu"), streams, make_policy("lru", RoutingCounts()), 0)
+    load(streams, rows[0], 5, grouped("layer0", size=8), member=0)
+    assert launches() == []
+    cache.free()
+    assert launches() == [("launch", "layer0", [0])] and cache.pool.numel() == 0

@@ -149,7 +149,9 @@ class ExpertCache:
         return self.pool.numel() * self.pool.element_size()
 
     def free(self) -> None:
-        """Drop the device pool (before a new cache is allocated in its place); the cache is unusable after."""
+        """Drop the device pool (before a new cache is allocated in its place) once no copy or decode still
+        writes into it (pending grouped decodes run first); the cache is unusable after."""
+        self.streams.synchronize()
         self.pool = torch.empty(0, self.store.numel, dtype=self.store.dtype, device=self.pool.device)
 
     def row(self, layer: int, slot: int) -> int:
