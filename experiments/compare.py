@@ -1,0 +1,107 @@
+"""Re-run check: a re-run's median TPOT per system and dataset against a reference run's, within a tolerance.
+
+    python -m experiments.compare results/reference/main-h200-dsv2-high-k8 results/rerun/dsv2-high
+    python -m experiments.compare REF RERUN --tolerance 0.10 --metric tpot_ms
+
+Each side is a results directory (its records.csv); the medians are over every measured case (prompts x
+repeats) of a system and dataset, and over all of a system's cases as dataset `ALL`. A warning names any
+setup the two differ in (model, weights, memory, dtype, lengths from run.json; the K values run). Exit
+status: 0 when every pair both runs measured is within the tolerance, 1 when one is not, 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.records import read_records
+
+TOLERANCE = 0.10  # issue 17: a re-run on another H200 lands within 10% of the published medians
+
+
+def medians(records: pd.DataFrame, metric: str) -> pd.Series:
+    """Median of `metric` over the measured rows, per (system, dataset) and per (system, "ALL")."""
+    if metric not in records:
+        raise ValueError(f"the records have no column {metric!r}")
+    ok = records[records.status == "ok"].assign(value=lambda f: pd.to_numeric(f[metric], errors="coerce"))
+    ok = ok[ok.value.notna()]
+    per_dataset = ok.groupby(["system", "dataset"], sort=False).value.median()
+    overall = ok.groupby("system", sort=False).value.median()
+    overall.index = pd.MultiIndex.from_tuples([(system, "ALL") for system in overall.index])
+    return pd.concat([per_dataset, overall])
+
+
+def compare(reference: pd.Series, rerun: pd.Series, tolerance: float = TOLERANCE) -> pd.DataFrame:
+    """Rows (system, dataset, reference, rerun, ratio = rerun / reference, within) for the pairs both hold."""
+    both = reference.index.intersection(rerun.index, sort=False)
+    table = pd.DataFrame({"reference": reference[both], "rerun": rerun[both]})
+    table["ratio"] = table.rerun / table.reference
+    table["within"] = (table.ratio - 1).abs() <= tolerance
+    return table.rename_axis(["system", "dataset"]).reset_index()
+
+
+SETUP = ("model.name", "model.weights", "mem.name", "dtype", "max_new_tokens", "prefix_tokens")  # what must agree
+
+
+def load(directory: Path, metric: str) -> tuple[pd.Series, dict]:
+    """The run's medians and its setup (SETUP keys from run.json where it has one, and the K values run)."""
+    records = directory / "records.csv"
+    if not records.is_file():
+        raise ValueError(f"{directory} is not a results directory (it has no records.csv)")
+    frame = read_records(records)
+    values = medians(frame, metric)
+    if values.empty:
+        raise ValueError(f"{records} holds no measured {metric}")
+    setup = {"k": sorted({str(k) for k in frame[frame.status == "ok"].get("k", [])})}
+    run = directory / "run.json"
+    if run.is_file():
+        config = json.loads(run.read_text()).get("config", {})
+        for key in SETUP:
+            value = config
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            setup[key] = value
+    return values, setup
+
+
+def setup_differences(reference: dict, rerun: dict) -> list[str]:
+    """`key: reference -> rerun` for each setup value both runs record and that differs."""
+    return [f"{key}: {reference[key]} -> {rerun[key]}" for key in reference
+            if key in rerun and reference[key] != rerun[key]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reference", type=Path)
+    parser.add_argument("rerun", type=Path)
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest |rerun / reference - 1|")
+    parser.add_argument("--metric", default="tpot_ms")
+    args = parser.parse_args(argv)
+    try:
+        if not args.tolerance >= 0:
+            raise ValueError(f"--tolerance must be a number >= 0, got {args.tolerance}")
+        (reference, reference_setup), (rerun, rerun_setup) = load(args.reference, args.metric), load(args.rerun,
+                                                                                                  args.metric)
+        table = compare(reference, rerun, args.tolerance)
+        if table.empty:
+            raise ValueError("the two runs share no (system, dataset) with a measured value")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    differences = setup_differences(reference_setup, rerun_setup)
+    if differences:
+        print(f"warning: the runs differ in setup ({'; '.join(differences)}): not a re-run of the same case",
+              file=sys.stderr)
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    outside = table[~table.within]
+    print(f"{len(table) - len(outside)} of {len(table)} medians within {args.tolerance:.0%} of the reference"
+          + ("" if outside.empty else "; outside: " + ", ".join(f"{r.system}/{r.dataset} ({r.ratio:.2f}x)"
+                                                               for r in outside.itertuples())))
+    return 0 if outside.empty else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
