@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specter.config import SpecterConfig
+from specter.defaults import config_default
 from specter.errors import SpecterError
 from specter.models.calibrated import routing_profile
 from specter.models.loading import WEIGHTS, check_architecture, checkpoint_dir, hf_config, load_model, with_layers
@@ -244,8 +245,9 @@ def results_dir(cfg) -> tuple[Path, bool]:
 
 
 def check_same_config(path: Path, cfg) -> None:
-    """One-line error unless `path`'s run.json was written by a run of the same config (a directory
-    with neither run.json nor records.csv holds nothing to check)."""
+    """One-line error unless `path`'s run.json was written by a run of the same config (options that run
+    did not have yet count as the same at their defaults: `added_at_default`; a directory with neither
+    run.json nor records.csv holds nothing to check)."""
     if not (path / "run.json").exists() and not (path / "records.csv").exists():
         return
     try:
@@ -255,12 +257,23 @@ def check_same_config(path: Path, cfg) -> None:
                            f"cannot be checked; pass another results_dir= or resume=force") from None
     stored, new = flat(stored), flat(OmegaConf.to_container(cfg, resolve=True))
     differ = [key for key in sorted(set(stored) | set(new))
-              if key.split(".")[0] not in RESUME_FREE and stored.get(key) != new.get(key)]
+              if key.split(".")[0] not in RESUME_FREE and stored.get(key) != new.get(key)
+              and not (key not in stored and added_at_default(key, new[key]))]
     if differ:
         shown = ", ".join(f"{k} ({stored.get(k)!r} there, {new.get(k)!r} now)" for k in differ[:4])
         more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
         raise SpecterError(f"cannot resume {path}: it was run with another config: {shown}{more}; "
                            f"pass another results_dir=, the same settings, or resume=force")
+
+
+def added_at_default(key: str, value) -> bool:
+    """Whether an option a stored config lacks (added since that run) is at the value that run had in
+    effect: a Specter option at SpecterConfig's default, or an option left unset (a token cap of a system
+    added since)."""
+    group, _, name = key.partition(".")
+    if value is None:
+        return True
+    return group == "specter" and name in SpecterConfig.__dataclass_fields__ and value == config_default(name)
 
 
 def flat(tree: dict, prefix: str = "") -> dict:

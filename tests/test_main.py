@@ -293,6 +293,12 @@ def test_a_run_resumes_only_into_a_directory_of_the_same_config(tmp_path, monkey
     with pytest.raises(SpecterError, match=r"model.name \('tiny' there, 'tiny-qwen' now\)"):
         results_dir(compose_with("resume=true", "model=tiny-qwen", f"results_dir={out}"))
     assert results_dir(compose_with("resume=force", "max_new_tokens=32")) == (out, True)
+    older = OmegaConf.to_container(compose_with(), resolve=True)  # a run from before two options existed
+    del older["specter"]["residual_decode_group"], older["token_caps"]["specter_residual"]
+    (out / "run.json").write_text(json.dumps({"config": older}))
+    assert results_dir(compose_with("resume=true")) == (out, True)  # the new options at their defaults
+    with pytest.raises(SpecterError, match=r"specter.residual_decode_group \(None there, 4 now\)"):
+        results_dir(compose_with("resume=true", "specter.residual_decode_group=4"))
     (out / "run.json").write_text("{")  # torn
     with pytest.raises(SpecterError, match="run.json is missing or unreadable"):
         results_dir(compose_with("resume=true"))
