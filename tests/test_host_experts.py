@@ -74,3 +74,18 @@ def test_host_experts_move_fewer_bytes_and_work_with_residual_transfer_and_batch
     assert runs[True].token_ids == runs[False].token_ids  # the same expert_mlp on the same device: bitwise
     assert runs[True].stats["h2d_bytes"] < runs[False].stats["h2d_bytes"]
     assert runs[True].stats["residual_decodes"] > 0 and runs[True].stats["host_expert_runs"] > 0
+
+
+@pytest.mark.slow
+def test_a_batch_of_32_keeps_each_requests_tokens_with_both_mechanisms(free_host):
+    """Issue 21: batched decoding up to B=32 with residual transfer and host experts on; every request's
+    tokens equal its own decode alone (checked on a sample of 4)."""
+    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+    config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, host_experts=True, residual_transfer=True)
+    engine = specter.SpecterEngine(model, config)
+    prompts = [prompt(f"Request {i}: the answer is").tolist()[0] for i in range(32)]
+    batch = engine.generate(prompts, 8)
+    assert len(batch) == 32 and all(len(r.token_ids) == 8 for r in batch)
+    for i in (0, 9, 20, 31):
+        assert batch[i].token_ids == engine.generate(torch.tensor([prompts[i]]), 8).token_ids, i
+    assert batch[0].stats["residual_decodes"] > 0 and batch[0].stats["host_expert_runs"] > 0
