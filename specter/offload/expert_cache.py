@@ -301,8 +301,8 @@ class ExpertCache:
         if self.residuals is None:
             slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
         else:
-            decode = partial(self.residuals.decode, layer, expert, self.decode_launcher)
             group = None if self.decode_groups is None else self.decode_groups[layer]
+            decode = None if group else partial(self.residuals.decode, layer, expert, self.decode_launcher)
             slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
                                                           decode, self.residuals.max_blob_words, **waits,
                                                           group=group, member=expert)
