@@ -17,7 +17,8 @@
 # reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
 # or a run cut by the call loses its report.tgz), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
-# continue next time), a summary per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
+# continue next time; RESUME=force continues one whose config has changed since, e.g. a default), a summary
+# per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
 # Hydra overrides such as token_caps.specmoeoff_sm=32), resuming
 # REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
@@ -89,7 +90,7 @@ for step in "${STEPS[@]}"; do
            done; done ;;
     report) rc=0
             for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
-              dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume=true
+              dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume="${RESUME:-true}"
               timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
                 model.weights="${WEIGHTS:-synthetic}" dataset=all \
                 "systems=[${SYSTEMS:-specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp}]" \

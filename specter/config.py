@@ -47,10 +47,13 @@ class SpecterConfig:
     host_experts: during verification, planned experts that are not resident and that the draft routed few
       tokens to run on the CPU from the host store's weights (their hidden rows cross PCIe instead of the
       expert) in a worker thread, while the copy stream brings the others (specter.verify.host_experts).
+    host_expert_threads: torch's intra-op threads in that worker thread (0: torch's count, which is every
+      core; fewer leave cores to the main thread, which issues the GPU work, and to the CUDA driver).
     residual_decode_programs: grid cap of each residual decode launch (0: a program per tile of the expert);
       a small grid leaves the other SMs to the compute stream while the decode runs beside it.
     residual_decode_group: residual loads of one layer decoded by one launch (1: a launch per load): fewer
-      launches and events on the host, while a group's first expert waits for its last blob.
+      launches and events on the host, while a group's first expert waits for its last blob (8: the fastest of
+      1, 4 and 8 on calibrated dsv2 at mem=low on the H200, results/reference/residual-h200/NOTES.md).
     max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
       of the paper's protocol, 16 + 128 tokens, fits 256). Attention covers every position of it each
       step, and DeepSeek-V2 re-expands its MLA latent over all of them, so it is kept short.
@@ -74,8 +77,9 @@ class SpecterConfig:
     cuda_graph: bool = True
     residual_transfer: bool = False
     host_experts: bool = False
+    host_expert_threads: int = 0
     residual_decode_programs: int = 0
-    residual_decode_group: int = 1
+    residual_decode_group: int = 8
     max_cache_len: int = 256
 
     def __post_init__(self) -> None:
@@ -100,6 +104,7 @@ class SpecterConfig:
         _integer(self, "spare_rows", 0)
         _integer(self, "residual_decode_programs", 0)
         _integer(self, "residual_decode_group", 1)
+        _integer(self, "host_expert_threads", 0)
         _integer(self, "max_cache_len", 1)
 
     @property

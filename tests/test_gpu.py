@@ -109,7 +109,7 @@ def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
     """The Triton decode rebuilds every slot bit for bit: the same tokens and loads as raw copies, fewer bytes;
     so does one launch per group of a layer's loads (residual_decode_group), with fewer launches."""
     model = specter.load_model(name, device="cuda", dtype=dtype)
-    options = [dict(residual_transfer=False), dict(residual_transfer=True),
+    options = [dict(residual_transfer=False), dict(residual_transfer=True, residual_decode_group=1),
                dict(residual_transfer=True, residual_decode_group=4)]
     runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, **o))
             .generate(prompt(), 32) for o in options]

@@ -29,6 +29,53 @@ def test_the_measured_cost_grows_with_tokens():
     assert cost.fixed_ms >= 0 and cost.per_token_ms >= 0 and cost.cpu_ms(16) >= cost.cpu_ms(1) > 0
 
 
+def test_the_cost_is_measured_on_cold_experts(monkeypatch):
+    """Every timed call reads another expert's weights, as a cold expert's come from memory in a run."""
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    store = specter.SpecterEngine(model, specter.SpecterConfig(k=2, resident_experts_per_layer=1)).model.offload.store
+    read, expert = [], store.expert
+    monkeypatch.setattr(store, "expert", lambda layer, e: read.append((layer, e)) or expert(layer, e))
+    measure_host_cost(store, model.experts[0].act_fn, repeats=3)
+    assert len(read) == 8 and len(set(read)) == 8 and store.num_layers * store.num_experts >= 8
+    assert {layer for layer, _ in read} == set(range(store.num_layers))  # spread over the layers
+
+
+@pytest.mark.parametrize("layers,experts,count", [(4, 8, 8), (2, 3, 6), (1, 1, 3), (3, 4, 5)])
+def test_cold_experts_are_distinct_while_the_store_has_enough(layers, experts, count):
+    class Store:
+        num_layers, num_experts = layers, experts
+
+    pairs = list(host_experts_module.cold_experts(Store, count))
+    assert len(pairs) == count and all(0 <= layer < layers and 0 <= e < experts for layer, e in pairs)
+    assert len(set(pairs)) == min(count, layers * experts)
+
+
+def test_the_runner_sets_torch_threads_in_its_worker_only():
+    from specter.verify.host_experts import HostExpertRunner
+
+    main_threads = torch.get_num_threads()
+    runner = HostExpertRunner(None, HostCost(1.0, 0.0), threads=1)
+    default = HostExpertRunner(None, HostCost(1.0, 0.0))
+    try:
+        assert runner.pool.submit(torch.get_num_threads).result() == 1 and runner.threads == 1
+        assert default.pool.submit(torch.get_num_threads).result() == main_threads
+        assert torch.get_num_threads() == main_threads
+    finally:
+        runner.close()
+        default.close()
+
+
+def test_a_system_asking_other_host_threads_gets_a_new_runner(free_host):
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    for threads in (1, 0):
+        config = specter.SpecterConfig(k=2, resident_experts_per_layer=2, host_experts=True,
+                                       host_expert_threads=threads)
+        specter.SpecterEngine(model, config).generate(prompt(), 8)
+        runner = model.offload.host_runner
+        assert runner.threads == threads
+        assert runner.pool.submit(torch.get_num_threads).result() == (threads or torch.get_num_threads())
+
+
 def test_the_runner_measures_its_cost_in_its_own_worker_thread(monkeypatch):
     """The start-up estimate is taken where the experts run: the worker thread, in inference mode."""
     import threading

@@ -37,7 +37,7 @@ class OffloadConfig:
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
         verify = VerifyOptions(config.expert_wise, config.verify_wave, config.load_ahead_layers, config.copy_streams,
-                               config.host_experts)
+                               config.host_experts, config.host_expert_threads)
         return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, verify,
                    config.residual_transfer, config.residual_decode_programs, config.residual_decode_group)
 
@@ -62,11 +62,15 @@ class OffloadRuntime:
     residuals: ResidualExpertStore | None = None
     host_runner: HostExpertRunner | None = None  # made by the first `host_experts` call (kept)
 
-    def host_experts(self, act, cost: HostCost | None = None) -> HostExpertRunner:
-        """The worker that runs experts on the host, made on first use with `cost` or, by default, a cost
-        its thread measures then (`act`: the experts' activation)."""
+    def host_experts(self, act, cost: HostCost | None = None, threads: int = 0) -> HostExpertRunner:
+        """The worker that runs experts on the host with `threads` torch threads (0: torch's count), made on
+        first use (again when `threads` differs) with `cost` or, by default, a cost its thread measures then
+        (`act`: the experts' activation)."""
+        if self.host_runner is not None and self.host_runner.threads != threads:
+            self.host_runner.close()
+            self.host_runner = None
         if self.host_runner is None:
-            self.host_runner = HostExpertRunner(self.store, cost, act)
+            self.host_runner = HostExpertRunner(self.store, cost, act, threads)
         return self.host_runner
 
 
@@ -177,7 +181,8 @@ def serving(model, config: OffloadConfig, workspace: MoEWorkspace) -> Iterator[O
     executor, and the copy streams split as `config.verify.copy_streams` asks; the model's previous
     executors and stream setting afterwards."""
     runtime = config.attach(model)
-    host = runtime.host_experts(model.experts[0].act_fn) if config.verify.host_experts else None
+    host = runtime.host_experts(model.experts[0].act_fn, threads=config.verify.host_threads) \
+        if config.verify.host_experts else None
     residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace, host)
     with attributes_set(model.experts, target_executor=residency), \
             attributes_set([runtime.streams], split_waiting_copies=config.verify.copy_streams == 2):

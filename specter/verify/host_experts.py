@@ -36,19 +36,32 @@ class HostCost:
 
 
 def measure_host_cost(store: HostExpertStore, act, repeats: int = 3, tokens: tuple = (1, 16)) -> HostCost:
-    """Time one expert of the store on the host at 1 and 16 tokens (the median of `repeats`), as a line."""
-    gate_up, down = store.split(store.expert(0, 0))
+    """Time experts of the store on the host at 1 and 16 tokens (the median of `repeats`), as a line.
+
+    Each call runs another expert (`cold_experts`), so its weights come from memory, not from the CPU's
+    caches, as a cold expert's do during a run (a store of fewer experts than calls repeats some)."""
+    experts = cold_experts(store, len(tokens) * (repeats + 1))
     medians = []
     for count in tokens:
         x = torch.zeros(count, store.hidden, dtype=store.dtype)
         times = []
         for _ in range(repeats + 1):  # the first call warms up
+            gate_up, down = store.split(store.expert(*next(experts)))
             start = time.perf_counter()
             expert_mlp(x, gate_up, down, act)
             times.append((time.perf_counter() - start) * 1e3)
         medians.append(sorted(times[1:])[len(times[1:]) // 2])
     per_token = max(0.0, (medians[1] - medians[0]) / (tokens[1] - tokens[0]))
     return HostCost(max(0.0, medians[0] - per_token * tokens[0]), per_token)
+
+
+def cold_experts(store: HostExpertStore, count: int):
+    """`count` (layer, expert) pairs of the store, spread over its layers and experts, each once if it has
+    that many (else again from the first)."""
+    total = store.num_layers * store.num_experts
+    for i in range(count):
+        index = (i * max(1, total // count)) % total
+        yield divmod(index, store.num_experts)
 
 
 def split_for_host(candidates: list[tuple[int, int]], cost: HostCost, copy_ms: float) -> set[int]:
@@ -64,6 +77,13 @@ def split_for_host(candidates: list[tuple[int, int]], cost: HostCost, copy_ms: f
     return host
 
 
+def set_thread_count(threads: int) -> None:
+    """torch's intra-op threads of the calling thread: torch first gives the thread the process's count
+    (a thread takes it on its first query), then the thread keeps its own."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
 class HostExpertRunner:
     """Computes experts on the host in one worker thread; `submit` returns a Future of (pairs, rows).
 
@@ -71,11 +91,16 @@ class HostExpertRunner:
     [n, H] float32, their outputs (None, None when the target routed none of them).
     """
 
-    def __init__(self, store: HostExpertStore, cost: HostCost | None = None, act=None) -> None:
+    def __init__(self, store: HostExpertStore, cost: HostCost | None = None, act=None, threads: int = 0) -> None:
         """`cost`, or by default one measured (`measure_host_cost` with `act`) in the worker thread that runs
-        the experts, in the mode they run in."""
-        self.store = store
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-host-experts")
+        the experts, in the mode they run in; `threads`: torch's intra-op threads there (0: torch's count;
+        the setting is the thread's own, so the main thread keeps its count)."""
+        self.store, self.threads = store, threads
+        own = torch.get_num_threads()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specter-host-experts",
+                                       initializer=set_thread_count, initargs=(threads or own,))
+        self.pool.submit(int).result()  # the worker thread exists and has its count
+        torch.set_num_threads(own)  # torch hands the last count set to threads made later: this thread's again
         self.cost = cost or self.pool.submit(torch.inference_mode()(measure_host_cost), store, act).result()
 
     def submit(self, layer: int, experts: set, hidden, routing, act) -> Future:

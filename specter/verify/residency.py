@@ -28,14 +28,15 @@ from specter.verify.host_experts import DEFAULT_H2D_BYTES_PER_MS, HostExpertRunn
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """How verification streams experts (SpecterConfig's expert_wise, verify_wave, load_ahead_layers and
-    copy_streams; the defaults are SpecterConfig's)."""
+    """How verification streams experts (SpecterConfig's expert_wise, verify_wave, load_ahead_layers,
+    copy_streams, host_experts and host_expert_threads; the defaults are SpecterConfig's)."""
 
     expert_wise: bool = config_default("expert_wise")
     wave: int = config_default("verify_wave")
     ahead_layers: int = config_default("load_ahead_layers")
     copy_streams: int = config_default("copy_streams")
     host_experts: bool = config_default("host_experts")
+    host_threads: int = config_default("host_expert_threads")
 
 
 class LayerPass(NamedTuple):
