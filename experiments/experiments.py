@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,9 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_main(cfg, out_dir: Path, open_writer):
     """Every configured system on every dataset's prompts (Figure 14)."""
+    start = time.perf_counter()
     model, config = load(cfg)
+    loaded = time.perf_counter()
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
     systems = [build_system(name, model, config) for name in cfg.systems]
+    print(f"setup: model loaded in {loaded - start:.1f} s, systems built in {time.perf_counter() - loaded:.1f} s",
+          file=sys.stderr, flush=True)
     run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(), cfg.strict,
               tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps,
               warmup_tokens=cfg.warmup_tokens)

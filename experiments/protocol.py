@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from tqdm import tqdm
@@ -35,8 +36,11 @@ def warm_up(systems: list, ids: torch.Tensor, tokens, failed=None) -> list:
     ready = []
     for system in systems:
         if system.available()[0]:
+            count, start = tokens(system.name) if callable(tokens) else int(tokens), time.perf_counter()
             try:
-                system.generate(ids, tokens(system.name) if callable(tokens) else int(tokens))
+                system.generate(ids, count)
+                print(f"warm-up: {system.name}, {count} tokens in {time.perf_counter() - start:.1f} s",
+                      file=sys.stderr, flush=True)
             except SpecterError as exc:
                 if failed is None:
                     raise

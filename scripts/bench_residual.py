@@ -6,15 +6,17 @@ decode (`specter.kernels.residual_decode.decode_expert`, one launch) into device
 CUDA events (median of --repeats, after 2 warm-up calls); and the host's time to issue one load through
 the offload runtime's streams, raw and residual (the decode launched through Triton's JIT and through
 the cache's `DecodeLauncher`, alone or GROUP loads per launch as `residual_decode_group` does); --variants
-also times the kernel's variants. Correctness first: every decode is compared bit for bit
-with the original.
+also times the kernel's variants, and --host-profile writes where each load path's host time goes
+(cProfile, by own time). Correctness first: every decode is compared bit for bit with the original.
 
     python scripts/bench_residual.py --models dsv2 qwen --out DIR
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
+import pstats
 import sys
 import time
 from functools import partial
@@ -51,7 +53,7 @@ def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     return layout, torch.cat([w.flatten() for w in weights]), [quantize_rtn(w) for w in weights]
 
 
-def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool) -> dict:
+def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool, profile: Path | None = None) -> dict:
     layout, weights, drafts = expert_parts(name, dtype)
     blob_host = encode_expert([w.view(shape) for w, shape in zip(weights.split([o * i for o, i in layout.shapes]),
                                                                      layout.shapes)], drafts).pin_memory()
@@ -75,7 +77,7 @@ def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool) -> dict:
         lambda v=variant: decode_expert(blob_device, layout, drafts, raw_device, **v), 2, repeats, cuda=True), 4)
         for label, variant in DECODE_VARIANTS.items() if variants}
     raw_bytes, sent = raw_host.numel() * 2, blob_host.numel() * 4
-    host_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype)
+    host_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype, profile=profile)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),
             "sent_mb": round(sent / 1e6, 3), "bits_per_weight": round(8 * sent / weights.numel(), 2),
             "raw_copy_ms": round(raw_ms, 4), "residual_copy_ms": round(blob_ms, 4),
@@ -87,13 +89,15 @@ def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool) -> dict:
 
 
 GROUP = 4  # loads per decode launch of the grouped path
+PROFILE_LINES = 25  # functions per path in the --host-profile file
 
 
-def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32) -> dict:
-    """Host microseconds to issue one load through the offload runtime's streams, median over `loads` loads:
-    `DeviceStreams.copy` of the raw expert (raw), `copy_decoded` of the blob with the decode launched through
-    Triton's JIT (residual_jit), through the `DecodeLauncher` the cache uses (residual), and through its
-    grouped launch, GROUP loads per launch (residual_group: each sample is a whole group, divided by GROUP)."""
+def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype) -> tuple:
+    """(streams, rows, {path: (loads per sample, issue(sample))}): one load through the offload runtime's
+    streams into device row `sample % 2` (a group: rows of that half): `DeviceStreams.copy` of the raw expert
+    (raw), `copy_decoded` of the blob with the decode launched through Triton's JIT (residual_jit), through
+    the `DecodeLauncher` the cache uses (residual), and through its grouped launch, GROUP loads per launch
+    (residual_group)."""
     streams = DeviceStreams(torch.device("cuda"))
     rows = torch.empty(2 * GROUP, raw_host.numel(), dtype=dtype, device="cuda")
     plan, operands = DecodePlan.of(layout, dtype), expert_operands(drafts, dtype)
@@ -109,6 +113,15 @@ def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts
     issue = {name: (1, load) for name, load in one.items()}
     issue["residual_group"] = (GROUP, lambda row: [streams.copy_decoded(
         rows[row * GROUP + i], blob_host, None, blob_host.numel(), group=group, member=0) for i in range(GROUP)])
+    return streams, rows, issue
+
+
+def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32,
+                 profile: Path | None = None) -> dict:
+    """Host microseconds to issue one load of each of `load_paths`, median over `loads` loads (a grouped
+    sample is a whole group, divided by GROUP); with `profile`, each path's loads again under cProfile, the
+    functions by own time into that file (which calls of torch and CUDA the host time goes to)."""
+    streams, rows, issue = load_paths(raw_host, blob_host, layout, drafts, dtype)
     medians = {}
     for name, (per_sample, load) in issue.items():
         load(0)  # first use (allocations, compilation)
@@ -120,6 +133,14 @@ def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts
             times.append((time.perf_counter() - start) * 1e6 / per_sample)
         streams.synchronize()
         medians[name] = sorted(times)[len(times) // 2]
+    if profile is not None:
+        with profile.open("w") as out:
+            for name, (per_sample, load) in issue.items():
+                profiler = cProfile.Profile()
+                profiler.runcall(lambda: [load(i % 2) for i in range(loads // per_sample)])
+                streams.synchronize()
+                out.write(f"== {name}: {loads} loads\n")
+                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(PROFILE_LINES)
     for row in rows:  # the last loads went through the grouped launch: every row holds the expert bit for bit
         if not torch.equal(bits_of(row.cpu()), bits_of(raw_host)):
             raise AssertionError("a decode through the DecodeLauncher's grouped launch differs from the raw expert")
@@ -132,13 +153,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="write residual_bench.csv here")
     parser.add_argument("--variants", action="store_true", help="also time the kernel's variants (DECODE_VARIANTS)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="profile each load path's host calls into OUT/residual_host_profile_<model>_<dtype>.txt")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench_residual.py needs a CUDA GPU")
+    if args.host_profile and args.out is None:
+        sys.exit("error: --host-profile writes into --out: give one")
     rows = []
     for name in args.models:
         for dtype in (torch.bfloat16, torch.float16):
-            rows.append(bench(name, dtype, args.repeats, args.variants))
+            profile = (args.out / f"residual_host_profile_{name}_{str(dtype)[6:]}.txt"
+                       if args.host_profile and args.out else None)
+            rows.append(bench(name, dtype, args.repeats, args.variants, profile))
             print(" | ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     if args.out:
         write_rows_csv(args.out / "residual_bench.csv", rows)

@@ -52,11 +52,13 @@ def test_a_system_failing_in_its_warm_up_becomes_an_unavailable_row_and_the_rest
     assert "llama_cpp failed in its warm-up" in capsys.readouterr().err
 
 
-def test_each_system_warms_up_as_long_as_its_measured_cases_within_its_cap(tmp_path):
+def test_each_system_warms_up_as_long_as_its_measured_cases_within_its_cap(tmp_path, capsys):
     target, slow = Counting("target_only"), Counting("slow")
     run_cases([target, slow], {"builtin": [torch.tensor([[1, 2, 3]])]}, 1, 12, RecordWriter(tmp_path),
               token_caps={"slow": 4})
     assert target.calls == [12, 12] and slow.calls == [4, 4]  # warm-up, then the case
+    err = capsys.readouterr().err  # each warm-up says how long it took
+    assert "warm-up: target_only, 12 tokens in " in err and "warm-up: slow, 4 tokens in " in err
     short = Counting("target_only")
     (tmp_path / "b").mkdir()
     run_cases([short], {"builtin": [torch.tensor([[1, 2, 3]])]}, 1, 12, RecordWriter(tmp_path / "b"), warmup_tokens=5)
