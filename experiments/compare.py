@@ -5,8 +5,10 @@
 
 Each side is a results directory (its records.csv); the medians are over every measured case (prompts x
 repeats) of a system and dataset, and over all of a system's cases as dataset `ALL`. A warning names any
-setup the two differ in (model, weights, memory, dtype, lengths from run.json; the K values run). Exit
-status: 0 when every pair both runs measured is within the tolerance, 1 when one is not, 2 on bad input.
+setup the two differ in (model, weights, memory, dtype, lengths from run.json; the K values run), and
+another warns when the hosts' time per small torch op (run.json's machine.host_op_us) differs by more than
+the tolerance: eagerly run systems (the baselines) follow the host's speed. Exit status: 0 when every pair
+both runs measured is within the tolerance, 1 when one is not, 2 on bad input.
 """
 from __future__ import annotations
 
@@ -58,7 +60,9 @@ def load(directory: Path, metric: str) -> tuple[pd.Series, dict]:
     setup = {"k": sorted({str(k) for k in frame[frame.status == "ok"].get("k", [])})}
     run = directory / "run.json"
     if run.is_file():
-        config = json.loads(run.read_text()).get("config", {})
+        info = json.loads(run.read_text())
+        config = info.get("config", {})
+        setup["host_op_us"] = (info.get("machine") or {}).get("host_op_us")
         for key in SETUP:
             value = config
             for part in key.split("."):
@@ -68,9 +72,19 @@ def load(directory: Path, metric: str) -> tuple[pd.Series, dict]:
 
 
 def setup_differences(reference: dict, rerun: dict) -> list[str]:
-    """`key: reference -> rerun` for each setup value both runs record and that differs."""
+    """`key: reference -> rerun` for each setup value both runs record and that differs (the host's speed
+    aside: `host_difference`)."""
     return [f"{key}: {reference[key]} -> {rerun[key]}" for key in reference
-            if key in rerun and reference[key] != rerun[key]]
+            if key in rerun and key != "host_op_us" and reference[key] != rerun[key]]
+
+
+def host_difference(reference: dict, rerun: dict, tolerance: float) -> str | None:
+    """A warning when both runs record the host's us per small torch op and they differ beyond `tolerance`."""
+    before, after = reference.get("host_op_us"), rerun.get("host_op_us")
+    if not before or not after or abs(after / before - 1) <= tolerance:
+        return None
+    return (f"warning: the hosts differ in speed (host_op_us {before} -> {after}, {after / before:.2f}x): "
+            f"systems that run eagerly, one token per forward (the baselines), follow the host")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if differences:
         print(f"warning: the runs differ in setup ({'; '.join(differences)}): not a re-run of the same case",
               file=sys.stderr)
+    host = host_difference(reference_setup, rerun_setup, args.tolerance)
+    if host:
+        print(host, file=sys.stderr)
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     outside = table[~table.within]
     print(f"{len(table) - len(outside)} of {len(table)} medians within {args.tolerance:.0%} of the reference"

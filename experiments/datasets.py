@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from specter.errors import SpecterError
+from specter.errors import SpecterError, first_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASETS = ("gsm8k", "wikitext2", "humaneval", "gpqa", "c4")
@@ -238,11 +238,6 @@ def hub_prompts(spec: DatasetSpec, num_prompts: int) -> list[str]:
         raise SpecterError(f"cannot load {spec.name} from the {where}: {type(exc).__name__}: {first_line(exc)}") from None
     records = (record_text(row, spec.field, f"{where} row {i}") for i, row in enumerate(rows))
     return take(spec, where, records, num_prompts)
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _get(node, key: str, default=None):

@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from experiments import records
 from experiments.experiments import EXPERIMENTS
-from experiments.settings import busy_warning, check_run_settings, machine_state, results_dir, write_run_json
+from experiments.machine import busy_warning, machine_state
+from experiments.settings import check_run_settings, results_dir, write_run_json
 from specter.errors import SpecterError
 from specter.models.loading import checkpoint_architecture
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.machine import load_note, machine_state
+
 from specter.config import SpecterConfig
 from specter.defaults import config_default
 from specter.errors import SpecterError
@@ -304,31 +306,6 @@ def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
     (out_dir / "run.json").write_text(json.dumps(info, indent=2))
 
 
-def machine_state() -> dict:
-    """Host load (1-minute average, cores) and, on CUDA, the GPU's clocks: what the timings ran under."""
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    state = {"load_average_1min": load, "cpu_cores": os.cpu_count()}
-    if torch.cuda.is_available():
-        try:
-            state["gpu_clock_mhz"] = torch.cuda.clock_rate()
-        except Exception as err:  # noqa: BLE001  (needs NVML; without it only the reading is lost)
-            state["gpu_clock_mhz"] = f"unavailable: {first_line(err)}"
-    return state
-
-
-def busy_warning(state: dict, share: float = 0.75) -> str | None:
-    """A warning line when the host's load average exceeds `share` of its cores (timings inflate)."""
-    load, cores = state.get("load_average_1min"), state.get("cpu_cores") or 1
-    if load is None or load <= share * cores:
-        return None
-    return (f"warning: this machine was busy when the run started (load average {load:.1f} on {cores} cores): "
-            f"its timings are inflated; run.json records the load")
-
-
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def workload(cfg) -> str:
     """Which weights a run's numbers come from, in words (also in run.json and the printed header)."""
     depth = "" if cfg.model.get("layers") is None else f", {cfg.model.layers} layers"
@@ -387,11 +364,3 @@ def header(model, config, cfg, what: str) -> str:
     return (f"{what}: {model.spec.name} ({weights}), K={config.k}, {config.resident_experts_per_layer} "
             f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
             f"{cfg.max_new_tokens} tokens on {model.device}{load_note(machine_state())}")
-
-
-def load_note(state: dict) -> str:
-    """`, host load 0.4/2 cores` (and the GPU clock) for the printed header."""
-    load = state.get("load_average_1min")
-    note = "" if load is None else f", host load {load:.1f}/{state.get('cpu_cores')} cores"
-    clock = state.get("gpu_clock_mhz")
-    return note + (f", GPU clock {clock} MHz" if isinstance(clock, (int, float)) else "")

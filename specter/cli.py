@@ -5,12 +5,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from specter.errors import SpecterError
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
+from specter.errors import SpecterError, first_line
 
 
 def run_cli(run: Callable[[], int | None], codes: tuple = ((SpecterError, 2),), other: int = 2,

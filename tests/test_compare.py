@@ -46,3 +46,16 @@ def test_runs_of_another_setup_are_compared_with_a_warning(tmp_path, capsys):
     assert main([str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
     err = capsys.readouterr().err
     assert "differ in setup (mem.name: high -> low)" in err and "model.name" not in err
+
+
+def test_hosts_of_another_speed_are_named(tmp_path, capsys):
+    import json
+
+    for name, op_us in (("ref", 4.0), ("new", 6.0), ("same", 4.2)):
+        write_run(tmp_path / name, {("specter", "gsm8k"): [10.0]})
+        (tmp_path / name / "run.json").write_text(json.dumps({"config": {}, "machine": {"host_op_us": op_us}}))
+    assert main([str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
+    err = capsys.readouterr().err
+    assert "hosts differ in speed (host_op_us 4.0 -> 6.0, 1.50x)" in err and "differ in setup" not in err
+    assert main([str(tmp_path / "ref"), str(tmp_path / "same")]) == 0
+    assert "hosts differ" not in capsys.readouterr().err

@@ -14,13 +14,11 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments import systems as systems_module
+from experiments.machine import busy_warning, host_op_us, load_note, machine_state
 from experiments.main import checkpoint_overrides
 from experiments.settings import (
     DERIVED,
-    busy_warning,
     check_run_settings,
-    load_note,
-    machine_state,
     model_choice,
     results_dir,
     specter_config,
@@ -279,8 +277,11 @@ def test_a_busy_machine_is_named_in_a_warning_and_the_header():
     warning = busy_warning({"load_average_1min": 1.9, "cpu_cores": 2})
     assert warning.startswith("warning: this machine was busy when the run started (load average 1.9 on 2 cores)")
     assert load_note({"load_average_1min": 1.9, "cpu_cores": 2}) == ", host load 1.9/2 cores"
+    assert load_note({"load_average_1min": 1.9, "cpu_cores": 2, "host_op_us": 3.6}) == \
+        ", host load 1.9/2 cores, 3.6 us per host op"
     state = machine_state()
-    assert state["cpu_cores"] >= 1 and state["load_average_1min"] >= 0
+    assert state["cpu_cores"] >= 1 and state["load_average_1min"] >= 0 and state["host_op_us"] > 0
+    assert host_op_us(torch.device("cpu"), ops=10, rounds=2) > 0
 
 
 def test_a_run_resumes_only_into_a_directory_of_the_same_config(tmp_path, monkeypatch):
