@@ -29,6 +29,7 @@ from specter.kernels.residual_decode import (DecodeLauncher, DecodePlan, decode_
                                              group_table, launch_decode)
 from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
+from specter.offload.cudart import copy_issuer  # noqa: E402
 from specter.offload.streams import DecodeGroup, DeviceStreams  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
 from specter.quant.residual import bits_of  # noqa: E402
@@ -93,18 +94,20 @@ PROFILE_LINES = 25  # functions per path in the --host-profile file
 
 
 def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype) -> tuple:
-    """(streams, rows, {path: (loads per sample, issue(sample))}): one load through the offload runtime's
+    """(synchronize, rows, {path: (loads per sample, issue(sample))}): one load through the offload runtime's
     streams into device row `sample % 2` (a group: rows of that half): `DeviceStreams.copy` of the raw expert
     (raw), `copy_decoded` of the blob with the decode launched through Triton's JIT (residual_jit), through
     the `DecodeLauncher` the cache uses (residual), and through its grouped launch, GROUP loads per launch
-    (residual_group)."""
-    streams = DeviceStreams(torch.device("cuda"))
+    (residual_group); raw_cudart and residual_group_cudart issue the copies as copy_issue=cudart does."""
+    streams, fast = DeviceStreams(torch.device("cuda")), DeviceStreams(torch.device("cuda"))
+    fast.h2d = copy_issuer("cudart")
     rows = torch.empty(2 * GROUP, raw_host.numel(), dtype=dtype, device="cuda")
     plan, operands = DecodePlan.of(layout, dtype), expert_operands(drafts, dtype)
     launcher = DecodeLauncher(plan)
     stacked = tuple(operand.unsqueeze(0) for operand in operands)  # a layer of one expert
-    group = DecodeGroup("bench", GROUP, lambda staging, items: launcher.group(
-        stacked, staging, rows, streams.upload(group_table(items, staging.shape[1], rows), ring="decode")))
+    group, fast_group = (DecodeGroup("bench", GROUP, lambda staging, items, s=s: launcher.group(
+        stacked, staging, rows, s.upload(group_table(items, staging.shape[1], rows), ring="decode")))
+        for s in (streams, fast))
     jit = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
     one = {"raw": lambda row: streams.copy(rows[row], raw_host),
            "residual_jit": lambda row: streams.copy_decoded(rows[row], blob_host, jit, blob_host.numel()),
@@ -113,7 +116,10 @@ def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, 
     issue = {name: (1, load) for name, load in one.items()}
     issue["residual_group"] = (GROUP, lambda row: [streams.copy_decoded(
         rows[row * GROUP + i], blob_host, None, blob_host.numel(), group=group, member=0) for i in range(GROUP)])
-    return streams, rows, issue
+    issue["raw_cudart"] = (1, lambda row: fast.copy(rows[row], raw_host))
+    issue["residual_group_cudart"] = (GROUP, lambda row: [fast.copy_decoded(
+        rows[row * GROUP + i], blob_host, None, blob_host.numel(), group=fast_group, member=0) for i in range(GROUP)])
+    return lambda: (streams.synchronize(), fast.synchronize()), rows, issue
 
 
 def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32,
@@ -121,24 +127,24 @@ def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts
     """Host microseconds to issue one load of each of `load_paths`, median over `loads` loads (a grouped
     sample is a whole group, divided by GROUP); with `profile`, each path's loads again under cProfile, the
     functions by own time into that file (which calls of torch and CUDA the host time goes to)."""
-    streams, rows, issue = load_paths(raw_host, blob_host, layout, drafts, dtype)
+    synchronize, rows, issue = load_paths(raw_host, blob_host, layout, drafts, dtype)
     medians = {}
     for name, (per_sample, load) in issue.items():
         load(0)  # first use (allocations, compilation)
-        streams.synchronize()
+        synchronize()
         times = []
         for i in range(loads // per_sample):
             start = time.perf_counter()
             load(i % 2)
             times.append((time.perf_counter() - start) * 1e6 / per_sample)
-        streams.synchronize()
+        synchronize()
         medians[name] = sorted(times)[len(times) // 2]
     if profile is not None:
         with profile.open("w") as out:
             for name, (per_sample, load) in issue.items():
                 profiler = cProfile.Profile()
                 profiler.runcall(lambda: [load(i % 2) for i in range(loads // per_sample)])
-                streams.synchronize()
+                synchronize()
                 out.write(f"== {name}: {loads} loads\n")
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(PROFILE_LINES)
     for row in rows:  # the last loads went through the grouped launch: every row holds the expert bit for bit

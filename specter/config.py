@@ -47,6 +47,9 @@ class SpecterConfig:
     host_experts: during verification, planned experts that are not resident and that the draft routed few
       tokens to run on the CPU from the host store's weights (their hidden rows cross PCIe instead of the
       expert) in a worker thread, while the copy stream brings the others (specter.verify.host_experts).
+    copy_issue: how the host issues each expert copy: "torch" (tensor.copy_) or "cudart" (one
+      cudaMemcpyAsync call through ctypes, without torch's dispatch and stream switch: less host time per
+      load; specter.offload.cudart).
     host_expert_threads: torch's intra-op threads in that worker thread (0: torch's count, which is every
       core; fewer leave cores to the main thread, which issues the GPU work, and to the CUDA driver).
     residual_decode_programs: grid cap of each residual decode launch (0: a program per tile of the expert);
@@ -78,6 +81,7 @@ class SpecterConfig:
     residual_transfer: bool = False
     host_experts: bool = False
     host_expert_threads: int = 0
+    copy_issue: str = "torch"
     residual_decode_programs: int = 0
     residual_decode_group: int = 8
     max_cache_len: int = 256
@@ -105,6 +109,8 @@ class SpecterConfig:
         _integer(self, "residual_decode_programs", 0)
         _integer(self, "residual_decode_group", 1)
         _integer(self, "host_expert_threads", 0)
+        if self.copy_issue not in ("torch", "cudart"):
+            raise SpecterError(f"copy_issue must be 'torch' or 'cudart', got {self.copy_issue!r}")
         _integer(self, "max_cache_len", 1)
 
     @property

@@ -139,7 +139,7 @@ def test_host_experts_on_cuda_give_the_targets_tokens(name, dtype, monkeypatch):
 
 
 def test_large_host_buffers_are_registered_in_place_and_copy_asynchronously():
-    from specter.offload.streams import REGISTER_MIN_BYTES, pin
+    from specter.offload.cudart import REGISTER_MIN_BYTES, pin
 
     big = torch.arange(REGISTER_MIN_BYTES // 4 + 5, dtype=torch.int32)
     pinned = pin(big, torch.device("cuda"))
@@ -150,6 +150,27 @@ def test_large_host_buffers_are_registered_in_place_and_copy_asynchronously():
     on_device.copy_(pinned, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_device.cpu(), big)
+
+
+def test_a_runtime_copy_moves_every_byte_on_its_stream():
+    from specter.offload.cudart import copy_issuer, pin
+
+    copies, stream = copy_issuer("cudart"), torch.cuda.Stream()
+    src = pin(torch.randn(4096, dtype=torch.float32).to(torch.bfloat16), torch.device("cuda"))
+    dst = torch.zeros(5000, dtype=torch.bfloat16, device="cuda")
+    copies(dst, src, stream)
+    stream.synchronize()
+    assert torch.equal(dst[:4096].cpu().view(torch.int16), src.view(torch.int16)) and not dst[4096:].any()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_cudart_copies_give_torch_copies_tokens_and_bytes(residual):
+    model = specter.load_model("tiny-qwen", device="cuda")
+    runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, copy_issue=issue,
+                                                               residual_transfer=residual)).generate(prompt(), 32)
+            for issue in ("torch", "cudart")]
+    assert runs[1].token_ids == runs[0].token_ids
+    assert runs[1].stats["h2d_bytes"] > 0 and (runs[1].stats["residual_decodes"] > 0) == residual
 
 
 @pytest.mark.slow

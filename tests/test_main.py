@@ -89,7 +89,7 @@ NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction"
                "early_read_fraction": 0.5, "prefetch_chunk": 2, "verify_wave": 2, "load_ahead_layers": 0,
                "copy_streams": 2, "spare_rows": 8, "cuda_graph": False, "residual_transfer": True, "residual_decode_programs": 32,
                "residual_decode_group": 4, "host_experts": True, "host_expert_threads": 3,
-               "max_cache_len": 512}
+               "copy_issue": "cudart", "max_cache_len": 512}
 SPECTER_SYSTEMS = [name for name in known_systems() if name == "specter" or name.startswith("specter_")]
 
 
@@ -183,7 +183,7 @@ BAD_VALUES = [("k", True), ("k", 2.5), ("k", "4"), ("k", 0), ("resident_experts_
               ("top_p", math.nan), ("top_p", True), ("seed", 1.5), ("seed", True), ("seed", "0"), ("prefetch", 1),
               ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("residual_transfer", 1), ("residual_decode_programs", -1),
               ("residual_decode_group", 0), ("host_experts", "no"), ("host_expert_threads", -1),
-              ("host_expert_threads", 1.5),
+              ("host_expert_threads", 1.5), ("copy_issue", "dma"), ("copy_issue", None),
               ("eviction", "fifo"),
               ("eviction", None), ("initial_chunk", 0), ("initial_chunk", True), ("prefetch_chunk", 0),
               ("early_read_fraction", math.nan), ("early_read_fraction", 1.5), ("early_read_fraction", -0.1),

@@ -16,6 +16,7 @@ from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.residual_store import ResidualExpertStore
+from specter.offload.cudart import copy_issuer
 from specter.offload.streams import DeviceStreams
 from specter.verify.host_experts import HostCost, HostExpertRunner
 from specter.verify.residency import ResidencyManager, VerifyOptions
@@ -33,13 +34,15 @@ class OffloadConfig:
     residual: bool = config_default("residual_transfer")
     decode_programs: int = config_default("residual_decode_programs")
     decode_group: int = config_default("residual_decode_group")
+    copy_issue: str = config_default("copy_issue")  # how copies are issued (not part of the cache)
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
         verify = VerifyOptions(config.expert_wise, config.verify_wave, config.load_ahead_layers, config.copy_streams,
                                config.host_experts, config.host_expert_threads)
         return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, verify,
-                   config.residual_transfer, config.residual_decode_programs, config.residual_decode_group)
+                   config.residual_transfer, config.residual_decode_programs, config.residual_decode_group,
+                   config.copy_issue)
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once)."""
@@ -178,14 +181,15 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
 def serving(model, config: OffloadConfig, workspace: MoEWorkspace) -> Iterator[OffloadSession]:
     """For the duration of one call: the model's runtime with `config`'s cache (rebuilt if another system
     left another one), a residency manager with `config.verify` and `workspace` as every layer's target
-    executor, and the copy streams split as `config.verify.copy_streams` asks; the model's previous
-    executors and stream setting afterwards."""
+    executor, the copy streams split as `config.verify.copy_streams` asks and copies issued as
+    `config.copy_issue` says; the model's previous executors and stream settings afterwards."""
     runtime = config.attach(model)
     host = runtime.host_experts(model.experts[0].act_fn, threads=config.verify.host_threads) \
         if config.verify.host_experts else None
     residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace, host)
     with attributes_set(model.experts, target_executor=residency), \
-            attributes_set([runtime.streams], split_waiting_copies=config.verify.copy_streams == 2):
+            attributes_set([runtime.streams], split_waiting_copies=config.verify.copy_streams == 2,
+                           h2d=copy_issuer(config.copy_issue)):
         yield OffloadSession(runtime, residency)
 
 

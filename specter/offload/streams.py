@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-REGISTER_MIN_BYTES = 64 * 2**20  # `pin` registers tensors this large in place instead of copying them
 UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: every other one)
 STAGING_BYTES = 128 * 2**20  # device memory for residual blobs between their copy and their decode
 MIN_STAGING_BUFFERS = 2  # at least one blob in flight while one decodes
@@ -64,6 +62,7 @@ class DeviceStreams:
         self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # residual decodes
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
+        self.h2d: Callable | None = None  # h2d(dst, src, stream) issues a copy (cudart.copy_issuer); None: copy_
         self._staging: torch.Tensor | None = None  # [buffers, capacity] device rows for blobs, made on first use
         self._staging_read: list = []  # per staging row: event of the decode that read it last
         self._staged = 0  # residual copies issued (picks the staging row)
@@ -109,16 +108,26 @@ class DeviceStreams:
                     stream.wait_event(event)  # the row's last copy may be on the other stream
         elif after is not None:
             stream.wait_event(after)
+        self._issue_copy(dst, src, stream, start, ready)
+        self._copies.append(CopyRecord(start, ready, nbytes, after))
+        return ready
+
+    def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, stream, start, end) -> None:
+        """dst <- src on `stream` between the events `start` and `end`: through `h2d` where set (no stream
+        switch), else torch's copy_ with `stream` made current for it."""
+        if self.h2d is not None:
+            start.record(stream)
+            self.h2d(dst, src, stream)
+            end.record(stream)
+            return
         compute = self.compute_stream()
         torch.cuda.set_stream(stream)  # not `with torch.cuda.stream(...)`: it looks the device up twice per copy
         try:
             start.record(stream)
             dst.copy_(src, non_blocking=True)
-            ready.record(stream)
+            end.record(stream)
         finally:
             torch.cuda.set_stream(compute)
-        self._copies.append(CopyRecord(start, ready, nbytes, after))
-        return ready
 
     def copy_decoded(self, dst: torch.Tensor, blob: torch.Tensor, decode, capacity: int, after=None,
                      demand: bool = False, previous=None, group: DecodeGroup | None = None, member=None):
@@ -144,21 +153,14 @@ class DeviceStreams:
                                     or pending.holds(after, previous)):
             self.flush_decodes()
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        compute = self.compute_stream()
-        try:
-            torch.cuda.set_stream(self.copy_stream)
-            if self._staging_read[row] is not None:
-                self.copy_stream.wait_event(self._staging_read[row])  # the decode that read this row last
-            start.record(self.copy_stream)
-            staged = self._staging[row, :blob.numel()]
-            staged.copy_(blob, non_blocking=True)
-            arrived.record(self.copy_stream)
-            if group is None:
-                ready = self._decode_now(decode, staged, dst, (arrived, after, previous))
-            else:
-                ready = self._join_group(group, (row, blob.numel(), dst, member), (arrived, after, previous))
-        finally:
-            torch.cuda.set_stream(compute)
+        if self._staging_read[row] is not None:
+            self.copy_stream.wait_event(self._staging_read[row])  # the decode that read this row last
+        staged = self._staging[row, :blob.numel()]
+        self._issue_copy(staged, blob, self.copy_stream, start, arrived)
+        if group is None:
+            ready = self._decode_now(decode, staged, dst, (arrived, after, previous))
+        else:
+            ready = self._join_group(group, (row, blob.numel(), dst, member), (arrived, after, previous))
         self._staging_read[row] = ready
         self._copies.append(CopyRecord(start, arrived, nbytes, after))
         if self._pending is not None and len(self._pending.items) >= self._pending.group.size:
@@ -178,13 +180,17 @@ class DeviceStreams:
     def _decode_now(self, decode, staged: torch.Tensor, dst: torch.Tensor, waits: tuple):
         """One load's decode on the decode stream after `waits`; its ready event."""
         decoding, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        compute = self.compute_stream()
         torch.cuda.set_stream(self.decode_stream)
-        for event in waits:
-            if event is not None:
-                self.decode_stream.wait_event(event)
-        decoding.record(self.decode_stream)
-        decode(staged, dst)
-        ready.record(self.decode_stream)
+        try:
+            for event in waits:
+                if event is not None:
+                    self.decode_stream.wait_event(event)
+            decoding.record(self.decode_stream)
+            decode(staged, dst)
+            ready.record(self.decode_stream)
+        finally:
+            torch.cuda.set_stream(compute)
         self._decodes.append((decoding, ready))
         return ready
 
@@ -370,28 +376,3 @@ def _elapsed_ms(start, end) -> float:
     if isinstance(start, float):
         return (end - start) * 1e3
     return start.elapsed_time(end)
-
-
-def pin(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Page-locked host memory when the compute device is a GPU (async H2D needs it); may pin `tensor` itself.
-
-    A large contiguous tensor is registered in place (cudaHostRegister, exact size; unregistered when the
-    tensor is collected): torch's pinned allocator rounds every block up to a power of two, which costs a
-    dsv2 host-store layer (1.1 GB) a 2 GB block and a Mixtral layer (2.8 GB) 4 GB. Smaller tensors, or a
-    failed registration, take a pinned copy.
-    """
-    if torch.device(device).type != "cuda":
-        return tensor
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes >= REGISTER_MIN_BYTES and tensor.is_contiguous() and register_in_place(tensor):
-        return tensor
-    return tensor.pin_memory()
-
-
-def register_in_place(tensor: torch.Tensor) -> bool:
-    """Page-lock `tensor`'s memory where it is (True on success); a finalizer unregisters it."""
-    cudart, ptr = torch.cuda.cudart(), tensor.data_ptr()
-    if int(cudart.cudaHostRegister(ptr, tensor.numel() * tensor.element_size(), 0)) != 0:
-        return False
-    weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
-    return True
