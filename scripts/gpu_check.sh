@@ -31,9 +31,9 @@
 # on CUDA through the harness.
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
 # the host's cost per load; BENCH_ARGS=--variants adds the kernel's variants), then dsv2 K=8 at MEMS (default
-# "low high"), RESIDUAL_PROMPTS (default 1) prompts, with Specter raw and RESIDUAL_VARIANTS (default: residual
-# transfer, the same with 4 loads per decode launch, host experts, both), each row printed from
-# OUT/residual-<mem>.log as it is measured.
+# "low high"), RESIDUAL_PROMPTS (default 1) prompts, with Specter raw and RESIDUAL_VARIANTS (default: copies
+# issued through cudart; residual transfer, with a decode launch per load, with cudart copies; host experts,
+# with 12 worker threads; residual + host experts), each row printed from OUT/residual-<mem>.log as measured.
 # host: one expert on the host CPU (bench_host_experts.py: dtypes x threads x tokens, the runtime's estimate)
 # beside its PCIe copy, for dsv2 and phi.
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
@@ -65,8 +65,10 @@ for step in "${STEPS[@]}"; do
               for mem in ${MEMS:-low high}; do  # Specter raw vs residual transfer, same model and process
                 python3 scripts/bench_offload.py --models dsv2 --k 8 --mem "$mem" --quick --out "$OUT/residual-$mem" \
                   --prompts "${RESIDUAL_PROMPTS:-1}" --weights "${WEIGHTS:-synthetic}" \
-                  --variants ${RESIDUAL_VARIANTS:-residual_transfer=true residual_transfer=true,residual_decode_group=4 \
-                  host_experts=true residual_transfer=true,host_experts=true} > "$OUT/residual-$mem.log" 2>&1 || rc=1
+                  --variants ${RESIDUAL_VARIANTS:-copy_issue=cudart residual_transfer=true \
+                  residual_transfer=true,residual_decode_group=1 residual_transfer=true,copy_issue=cudart \
+                  host_experts=true host_experts=true,host_expert_threads=12 residual_transfer=true,host_experts=true} \
+                  > "$OUT/residual-$mem.log" 2>&1 || rc=1
                 grep -E "^== |^   [a-z_=,.0-9]+: [0-9]+ s;|Error" "$OUT/residual-$mem.log" | cut -c1-300  # the log keeps every row
               done ;;
     host) python3 scripts/bench_host_experts.py --models dsv2 phi --out "$OUT" 2>&1 | grep -v -i warn
