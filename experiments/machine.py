@@ -10,12 +10,13 @@ import torch
 from specter.errors import first_line
 
 
-def machine_state() -> dict:
-    """Host load (1-minute average, cores), the host's time per small torch op on the run's device and, on
-    CUDA, the GPU's clocks: what the timings ran under."""
+def machine_state(device: str | torch.device | None = None) -> dict:
+    """Host load (1-minute average, cores), the host's time per small torch op on the run's `device` (None or
+    "auto": CUDA where there is one) and, on CUDA, the GPU's clocks: what the timings ran under."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    state = {"load_average_1min": load, "cpu_cores": os.cpu_count(),
-             "host_op_us": host_op_us(torch.device("cuda" if torch.cuda.is_available() else "cpu"))}
+    if device is None or str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    state = {"load_average_1min": load, "cpu_cores": os.cpu_count(), "host_op_us": host_op_us(torch.device(device))}
     if torch.cuda.is_available():
         try:
             state["gpu_clock_mhz"] = torch.cuda.clock_rate()

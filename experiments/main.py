@@ -81,7 +81,7 @@ def run(cfg: DictConfig) -> Path:
     """Run the configured experiment; returns the results directory it wrote."""
     check_run_settings(cfg)
     out_dir, resumed = results_dir(cfg)
-    busy = busy_warning(machine_state())  # taken before the run's own work; printed with the results
+    busy = busy_warning(machine_state(cfg.device))  # taken before the run's own work; printed with the results
     opened: list[records.RecordWriter] = []
 
     def open_writer() -> records.RecordWriter:

@@ -299,7 +299,7 @@ def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),  # tracked files differ from git_commit (or a copy whose .git is stale)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "machine": machine_state(),
+        "machine": machine_state(cfg.device),
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
     }
@@ -363,4 +363,4 @@ def header(model, config, cfg, what: str) -> str:
         weights = f"checkpoint {checkpoint}{as_model}"
     return (f"{what}: {model.spec.name} ({weights}), K={config.k}, {config.resident_experts_per_layer} "
             f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
-            f"{cfg.max_new_tokens} tokens on {model.device}{load_note(machine_state())}")
+            f"{cfg.max_new_tokens} tokens on {model.device}{load_note(machine_state(model.device))}")
