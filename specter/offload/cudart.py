@@ -43,7 +43,9 @@ def register_in_place(tensor: torch.Tensor) -> bool:
 class RuntimeCopies:
     """`copy(dst, src, stream)`: src's bytes into dst on `stream` by one `cudaMemcpyAsync` call, without
     torch's dispatch, checks and stream switch (the host's cost per expert load). Both tensors contiguous,
-    src in page-locked host memory, dst on the device: what the offload runtime's loads are."""
+    src in page-locked host memory that outlives the copy (torch's copy_ would also hold a block of its
+    pinned allocator until then), dst on the device: what the offload runtime's loads are (the host and
+    residual stores' buffers live as long as the model)."""
 
     def __init__(self, library) -> None:
         self.memcpy = library.cudaMemcpyAsync

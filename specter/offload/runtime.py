@@ -12,11 +12,11 @@ from specter.defaults import config_default
 from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.kernels.moe_align import MoEWorkspace
+from specter.offload.cudart import copy_issuer
 from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.residual_store import ResidualExpertStore
-from specter.offload.cudart import copy_issuer
 from specter.offload.streams import DeviceStreams
 from specter.verify.host_experts import HostCost, HostExpertRunner
 from specter.verify.residency import ResidencyManager, VerifyOptions
