@@ -48,8 +48,9 @@ def compare(reference: pd.Series, rerun: pd.Series, tolerance: float = TOLERANCE
 SETUP = ("model.name", "model.weights", "mem.name", "dtype", "max_new_tokens", "prefix_tokens")  # what must agree
 
 
-def load(directory: Path, metric: str) -> tuple[pd.Series, dict]:
-    """The run's medians and its setup (SETUP keys from run.json where it has one, and the K values run)."""
+def load(directory: Path, metric: str) -> tuple[pd.Series, dict, float | None]:
+    """The run's medians, its setup (SETUP keys from run.json where it has one, and the K values run) and its
+    host's us per small torch op (run.json's machine.host_op_us; None where it has none)."""
     records = directory / "records.csv"
     if not records.is_file():
         raise ValueError(f"{directory} is not a results directory (it has no records.csv)")
@@ -58,29 +59,27 @@ def load(directory: Path, metric: str) -> tuple[pd.Series, dict]:
     if values.empty:
         raise ValueError(f"{records} holds no measured {metric}")
     setup = {"k": sorted({str(k) for k in frame[frame.status == "ok"].get("k", [])})}
-    run = directory / "run.json"
+    run, host_op_us = directory / "run.json", None
     if run.is_file():
         info = json.loads(run.read_text())
         config = info.get("config", {})
-        setup["host_op_us"] = (info.get("machine") or {}).get("host_op_us")
+        host_op_us = (info.get("machine") or {}).get("host_op_us")
         for key in SETUP:
             value = config
             for part in key.split("."):
                 value = value.get(part) if isinstance(value, dict) else None
             setup[key] = value
-    return values, setup
+    return values, setup, host_op_us
 
 
 def setup_differences(reference: dict, rerun: dict) -> list[str]:
-    """`key: reference -> rerun` for each setup value both runs record and that differs (the host's speed
-    aside: `host_difference`)."""
+    """`key: reference -> rerun` for each setup value both runs record and that differs."""
     return [f"{key}: {reference[key]} -> {rerun[key]}" for key in reference
-            if key in rerun and key != "host_op_us" and reference[key] != rerun[key]]
+            if key in rerun and reference[key] != rerun[key]]
 
 
-def host_difference(reference: dict, rerun: dict, tolerance: float) -> str | None:
+def host_difference(before: float | None, after: float | None, tolerance: float) -> str | None:
     """A warning when both runs record the host's us per small torch op and they differ beyond `tolerance`."""
-    before, after = reference.get("host_op_us"), rerun.get("host_op_us")
     if not before or not after or abs(after / before - 1) <= tolerance:
         return None
     return (f"warning: the hosts differ in speed (host_op_us {before} -> {after}, {after / before:.2f}x): "
@@ -97,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.tolerance >= 0:
             raise ValueError(f"--tolerance must be a number >= 0, got {args.tolerance}")
-        (reference, reference_setup), (rerun, rerun_setup) = load(args.reference, args.metric), load(args.rerun,
-                                                                                                  args.metric)
+        (reference, reference_setup, reference_host), (rerun, rerun_setup, rerun_host) = (
+            load(args.reference, args.metric), load(args.rerun, args.metric))
         table = compare(reference, rerun, args.tolerance)
         if table.empty:
             raise ValueError("the two runs share no (system, dataset) with a measured value")
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if differences:
         print(f"warning: the runs differ in setup ({'; '.join(differences)}): not a re-run of the same case",
               file=sys.stderr)
-    host = host_difference(reference_setup, rerun_setup, args.tolerance)
+    host = host_difference(reference_host, rerun_host, args.tolerance)
     if host:
         print(host, file=sys.stderr)
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
