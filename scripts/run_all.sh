@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # Reproduce every experiment of the paper in order, then render the figures.
-#   scripts/run_all.sh [--tiny] [--dry-run] [--results DIR] [--models "M1 M2"]   (default DIR: results/paper,
-#   its own root, so other runs under results/ are neither skipped as done nor drawn)
+#   scripts/run_all.sh [--tiny] [--dry-run] [--results DIR] [--models "M1 M2"] [-- OVERRIDE ...]
+#   (default DIR: results/paper, its own root, so other runs under results/ are neither skipped as done nor drawn)
 # --tiny: the tiny synthetic models on CPU, few short prompts (minutes; what CI runs).
 # --dry-run: print the plan with an estimated time and exit.
 # --models: a subset of the plan's models (default: dsv2 qwen phi; with --tiny: tiny-dsv2 tiny-qwen).
+# -- OVERRIDE ...: more Hydra overrides for every step, after the plan's own (e.g. -- device=cuda:1 max_new_tokens=64).
 # Resumable: a finished step (run.json "complete": true) is skipped; an unfinished one is resumed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TINY=0; DRY=0; RESULTS=results/paper; ONLY=""
+TINY=0; DRY=0; RESULTS=results/paper; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --tiny) TINY=1 ;;
     --dry-run) DRY=1 ;;
     --results) RESULTS="$2"; shift ;;
     --models) ONLY="$2"; shift ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -79,7 +81,7 @@ if [ "$DRY" = 1 ]; then
     set -- $s
     dir="$RESULTS/$1/$2-$3"
     state=$([ -d "$dir" ] && (complete "$dir" && echo done || echo resume) || echo todo)
-    echo "  [$state] experiment=$1 model=$2 mem=$3 ${*:4} -> $dir"
+    echo "  [$state] experiment=$1 model=$2 mem=$3 ${*:4} ${EXTRA[*]} -> $dir"
   done
   echo "  then: python3 -m experiments.figures $RESULTS"
   exit 0
@@ -93,6 +95,6 @@ for s in "${STEPS[@]}"; do
   if [ -d "$dir" ] && complete "$dir"; then echo "skip (done): $dir"; continue; fi
   echo "== experiment=$exp model=$model mem=$mem $*"
   python3 -m experiments.main experiment="$exp" model="$model" mem="$mem" results_root="$RESULTS" \
-    results_dir="$dir" resume=true dataset="$DATASET" "${COMMON[@]}" "$@"
+    results_dir="$dir" resume=true dataset="$DATASET" "${COMMON[@]}" "$@" "${EXTRA[@]}"
 done
 python3 -m experiments.figures "$RESULTS"

@@ -141,9 +141,10 @@ def test_unavailable_dataset_is_a_row_not_a_crash(tmp_path):
 
 
 def test_run_all_dry_run_and_tiny(tmp_path):
-    dry = subprocess.run(["bash", "scripts/run_all.sh", "--tiny", "--dry-run", "--results", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(["bash", "scripts/run_all.sh", "--tiny", "--dry-run", "--results", str(tmp_path), "--",
+                          "max_new_tokens=8"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0 and "about" in dry.stdout and "[todo] experiment=depth" in dry.stdout
+    assert dry.stdout.count(" max_new_tokens=8 -> ") == dry.stdout.count("[todo]") > 0  # overrides reach every step
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
     bad = subprocess.run(["bash", "scripts/run_all.sh", "--bogus"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error:")
@@ -157,14 +158,16 @@ def test_run_all_dry_run_and_tiny(tmp_path):
 def test_run_all_tiny_end_to_end_and_resumable(tmp_path):
     """The whole plan on one model (`--models`) and its figures. vLLM is pointed at a missing environment
     here (its rows say so): its worker takes half a minute per main step on the CPU, and
-    tests/test_baseline_vllm.py runs it."""
+    tests/test_baseline_vllm.py runs it. Overrides after `--` shorten every step (one built-in prompt, 8 tokens)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECTER_VLLM_VENV": str(tmp_path / "no-vllm-venv")}
-    cmd = ["bash", "scripts/run_all.sh", "--tiny", "--models", "tiny-dsv2", "--results", str(tmp_path)]
+    cmd = ["bash", "scripts/run_all.sh", "--tiny", "--models", "tiny-dsv2", "--results", str(tmp_path), "--",
+           "max_new_tokens=8", "dataset=builtin"]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     for stem in ("fig14_main", "fig15_batch", "fig16_working_set"):
         assert (tmp_path / "figures" / f"{stem}.png").exists(), stem
-    assert json.loads((tmp_path / "main" / "tiny-dsv2-low" / "run.json").read_text())["complete"]
+    run = json.loads((tmp_path / "main" / "tiny-dsv2-low" / "run.json").read_text())
+    assert run["complete"] and run["config"]["max_new_tokens"] == 8
     main_rows = pd.read_csv(tmp_path / "main" / "tiny-dsv2-low" / "records.csv")
     assert main_rows[main_rows.system == "vllm"].status.str.startswith("unavailable: vLLM environment not found").any()
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
