@@ -11,7 +11,7 @@
 # (default 4,8,12,16,24,32), DEPTH_PROMPTS (default 1) per dataset, into REPORT_DIR/depth/<model>-<mem>
 # (RESUME=force continues runs whose config differs only by options added since, at their defaults).
 # report: the harness with every system (or SYSTEMS, e.g. issue 21's table: specter,specter_residual,
-# specter_host_experts,specter_residual_host,target_only,mo_sm,specmoeoff_sm) on MODELS x MEMS
+# specter_residual_cudart,specter_host_experts,specter_residual_host,target_only,mo_sm,specmoeoff_sm) on MODELS x MEMS
 # (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS (default 1), TF_CAP
 # (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8 or k=auto, which
 # reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,

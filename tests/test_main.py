@@ -65,12 +65,17 @@ def test_every_system_option_instantiates(system):
     assert built.name == system
     if system in EXTERNAL_ENGINES:  # they cannot run tiny-dsv2 (see their tests): they must say why
         assert ok or reason.strip()
-    elif system in ("specter_residual", "specter_residual_host"):  # the tiny default is float32: residuals
-        # need 16-bit experts
+    elif system.startswith("specter_residual"):  # the tiny default is float32: residuals need 16-bit experts
         assert (ok, reason) == (False, "residual_transfer needs 16-bit experts (float16 or bfloat16); "
                                        "this model's are float32")
     else:
         assert (ok, reason) == (True, "")
+
+
+def test_the_residual_cudart_system_sets_both_options():
+    model = tiny_model("tiny")
+    built = build_system("specter_residual_cudart", model, specter_config(compose_with(), model.spec))
+    assert (built.config.residual_transfer, built.config.copy_issue) == (True, "cudart")
 
 
 @pytest.mark.parametrize("override", ["token_caps={transformers:16}", "token_caps.transformers=16"])
