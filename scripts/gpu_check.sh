@@ -11,10 +11,10 @@
 # (default 4,8,12,16,24,32), DEPTH_PROMPTS (default 1) per dataset, into REPORT_DIR/depth/<model>-<mem>
 # (RESUME=force continues runs whose config differs only by options added since, at their defaults).
 # report: the harness with every system (or SYSTEMS, e.g. issue 21's table: specter,specter_residual,
-# specter_residual_cudart,specter_host_experts,specter_residual_host,target_only,mo_sm,specmoeoff_sm) on MODELS x MEMS
-# (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS (default 1), TF_CAP
-# (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g. k=8 or k=auto, which
-# reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
+# specter_residual_cudart,specter_host_experts,specter_residual_host,target_only,mo_sm,specmoeoff_sm) on
+# MODELS x MEMS (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS
+# (default 1), TF_CAP (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g.
+# k=8 or k=auto, which reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
 # or a run cut by the call loses its report.tgz), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time; RESUME=force continues one whose config has changed since, e.g. a default), a summary
