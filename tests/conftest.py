@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -29,6 +30,16 @@ def hf_greedy(name: str, input_ids: torch.Tensor, max_new_tokens: int, seed: int
     out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                          pad_token_id=get_spec(name).hf_config["pad_token_id"])
     return out[0, input_ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def in_process_vllm_engine():
+    """vLLM workers started by the tests run vLLM's engine core in their own process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): one vLLM import instead of two, half a worker's start-up on the CPU
+    (24 s against 49 s for tiny-qwen). The baseline itself keeps vLLM's default."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
+        yield
 
 
 @pytest.fixture(params=TINY_MODELS)

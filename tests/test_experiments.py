@@ -2,7 +2,6 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -17,26 +16,22 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = ("num_prompts=2", "repeats=2", "max_new_tokens=10", "device=cpu")
 
 
-def run_main(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=600)
+def run_in_process(*overrides: str) -> Path:
+    """`python -m experiments.main OVERRIDES` without a new interpreter (no import time); returns its directory."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return run_experiment(compose(config_name="config", overrides=list(overrides)))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Path:
     """One tiny run of each experiment into <root>/<experiment>/tiny-dsv2-high, in this process (the
-    command line itself is run by the other tests)."""
+    command line itself is run by run_all below and by tests/test_main.py)."""
     root = tmp_path_factory.mktemp("results")
     for experiment, extra in (("depth", ("++experiment.k_values=[2,4]",)), ("main", ("k=auto",)),
                               ("prefix", ("++experiment.prefix_values=[4,8]",)), ("routing", ()), ("kernel", ()),
                               ("batch", ("experiment.batch_sizes=[1,2]",))):
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[f"experiment={experiment}", *FAST, *extra,
-                                                           f"results_root={root}",
-                                                           f"results_dir={root / experiment / 'tiny-dsv2-high'}"])
-        run_experiment(cfg)
+        run_in_process(f"experiment={experiment}", *FAST, *extra, f"results_root={root}",
+                       f"results_dir={root / experiment / 'tiny-dsv2-high'}")
     return root
 
 
@@ -85,11 +80,10 @@ def test_figures_render_from_the_files(results):
     assert figures_main([str(results / "nothing-here")]) == 2
 
 
-def test_calibrated_routing_run_names_its_workload_and_compares_with_the_real_row(tmp_path):
-    out = run_main("experiment=routing", "model=tiny-mixtral", "model.weights=calibrated", "model.layers=2",
+def test_calibrated_routing_run_names_its_workload_and_compares_with_the_real_row(tmp_path, capsys):
+    run_in_process("experiment=routing", "model=tiny-mixtral", "model.weights=calibrated", "model.layers=2",
                    "num_prompts=1", "max_new_tokens=24", "device=cpu", f"results_dir={tmp_path / 'r'}")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "tiny-mixtral (calibrated weights, 2 layers)" in out.stdout
+    assert "tiny-mixtral (calibrated weights, 2 layers)" in capsys.readouterr().out
     run = json.loads((tmp_path / "r" / "run.json").read_text())
     assert run["workload"] == "tiny-mixtral: calibrated weights (real routing locality and acceptance), 2 layers"
     locality = pd.read_csv(tmp_path / "r" / "routing_locality.csv")
@@ -110,10 +104,9 @@ def test_weights_and_layers_errors_are_one_line(tmp_path, monkeypatch):
 def test_specter_options_and_ablations_reach_the_run(tmp_path):
     """specter.* overrides reach the run (run.json records them); an ablation's own field still applies."""
     out = tmp_path / "run"
-    result = run_main(*FAST, "num_prompts=1", "repeats=1", "warmup_tokens=2", "mem.slots=2",
-                      "systems=[specter,specter_no_prefetch]", "specter.top_p=0.9", "specter.eviction=lookahead",
-                      "specter.spare_rows=2", "temperature=0.7", "seed=3", f"results_dir={out}")
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_in_process(*FAST, "num_prompts=1", "repeats=1", "warmup_tokens=2", "mem.slots=2",
+                   "systems=[specter,specter_no_prefetch]", "specter.top_p=0.9", "specter.eviction=lookahead",
+                   "specter.spare_rows=2", "temperature=0.7", "seed=3", f"results_dir={out}")
     records = pd.read_csv(out / "records.csv")
     loads = records[records.status == "ok"].groupby("system").prefetch_loads.sum()
     assert loads["specter_no_prefetch"] == 0 and loads["specter"] > 0
@@ -124,18 +117,17 @@ def test_specter_options_and_ablations_reach_the_run(tmp_path):
 
 def test_resume_skips_finished_cases(tmp_path):
     out = tmp_path / "run"
-    assert run_main(*FAST, f"results_dir={out}").returncode == 0
+    run_in_process(*FAST, f"results_dir={out}")
     before = pd.read_csv(out / "records.csv")
-    again = run_main(*FAST, f"results_dir={out}", "resume=true")
-    assert again.returncode == 0, again.stderr[-2000:]
+    run_in_process(*FAST, f"results_dir={out}", "resume=true")
     assert len(pd.read_csv(out / "records.csv")) == len(before)  # nothing ran twice
 
 
-def test_unavailable_dataset_is_a_row_not_a_crash(tmp_path):
+def test_unavailable_dataset_is_a_row_not_a_crash(tmp_path, monkeypatch):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # as run_all.sh --tiny: local files only
+        monkeypatch.setenv(name, "1")
     out = tmp_path / "run"
-    result = run_main(*FAST, "dataset=all", f"results_dir={out}", "num_prompts=1", "repeats=1",
-                      cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_in_process(*FAST, "dataset=all", f"results_dir={out}", "num_prompts=1", "repeats=1")
     records = pd.read_csv(out / "records.csv")
     assert records.status.str.startswith("unavailable: ").any()  # gpqa/c4 have no file here and no network
 
