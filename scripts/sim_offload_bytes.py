@@ -3,11 +3,13 @@
     python scripts/sim_offload_bytes.py --moe-layers 4 --k 8 --slots 16 --new-tokens 64 \
         --variants initial_chunk=1 load_ahead_layers=0
 
-It builds a synthetic DeepSeek-V2-Lite at full width (64 routed experts top-6, hidden 2048) with only
-`--moe-layers` MoE layers and a 4096-token vocabulary on the CPU (bf16 by default), and decodes the
-built-in prompts with Specter and with each `--variants` entry (SpecterConfig options; a variant may set
-k). The planner's cost model is frozen at the H200's draft step time per MoE layer (scaled to the layers
-built) and its copy bandwidth (the constants below), so its batch sizes and boundaries are the GPU's.
+It builds `--model` (dsv2: DeepSeek-V2-Lite, 64 routed experts top-6; qwen: Qwen1.5-MoE, 60 top-4) at full
+width with only `--moe-layers` MoE layers on the CPU: `--weights synthetic` (random, a 4096-token
+vocabulary, bf16 by default) or `calibrated` (the real checkpoint's routing locality and acceptance,
+specter/models/calibrated.py; float16 as on the GPU, the full vocabulary). It decodes the built-in prompts with Specter
+and with each `--variants` entry (SpecterConfig options; a variant may set k). The planner's cost model is
+frozen at the H200's draft step time per MoE layer (scaled to the layers built) and its copy bandwidth
+(the constants below), so its batch sizes and boundaries are the GPU's.
 Per configuration it prints the PCIe megabytes per decoded token (expert loads, plus the rows of experts
 run on the host), host runs, expert loads per decoded token against the floor (experts the target routed
 to that were not resident when their window started; with residual transfer a load is a blob), their
@@ -31,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specter  # noqa: E402
 from scripts.bench_offload import PROMPTS, parse_variant  # noqa: E402
 from specter.models.hybrid import hybridize  # noqa: E402
-from specter.models.loading import build_synthetic  # noqa: E402
+from specter.models.calibrated import moe_layer_count  # noqa: E402
+from specter.models.loading import build_synthetic, hf_config  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.models.tokenizer import ByteTokenizer  # noqa: E402
 from specter.offload.expert_cache import CAUSES  # noqa: E402
@@ -41,17 +44,21 @@ from specter.offload.runtime import offload_experts  # noqa: E402
 from specter.prefetch.planner import CostModel  # noqa: E402
 from specter.verify.host_experts import HostCost  # noqa: E402
 
-H200_DRAFT_MS_PER_MOE_LAYER = 6.44 / 26  # dsv2's replayed draft step, per MoE layer (H200, results/reference/NOTES.md)
+# replayed draft step per MoE layer on the H200 (dsv2: results/reference/NOTES.md; qwen: calibrated-h200/offload-*.csv)
+H200_DRAFT_MS_PER_MOE_LAYER = {"dsv2": 6.44 / 26, "qwen": 5.82 / 24}
 H200_BYTES_PER_MS = 54.2e6
 # torch bf16 on the H200's host (16 cores), one dsv2 expert: 0.34 ms at 1 token, 0.44 ms at 16 (issue 21)
 H200_HOST_COST = HostCost(fixed_ms=0.333, per_token_ms=0.1 / 15, copy_bytes_per_ms=H200_BYTES_PER_MS)
 SIM_VOCAB = 4096  # the byte-level prompts need 257 ids; 102400 would only make embeddings and lm_head bigger
 
 
-def build(moe_layers: int, dtype: torch.dtype, seed: int = 0) -> specter.HybridMoEModel:
-    """dsv2 at full width with `moe_layers` MoE layers (plus its first dense layer) on the CPU."""
-    base = get_spec("dsv2")
-    config = {**base.hf_config, "num_hidden_layers": moe_layers + 1, "vocab_size": SIM_VOCAB,
+def build(name: str, weights: str, moe_layers: int, dtype: torch.dtype, seed: int = 0) -> specter.HybridMoEModel:
+    """`name` at full width with `moe_layers` MoE layers (plus its dense layers) on the CPU."""
+    base = get_spec(name)
+    layers = moe_layers + int(base.hf_config.get("first_k_dense_replace", 0) or 0)
+    if weights == "calibrated":  # the calibrated layout needs the real vocabulary
+        return specter.load_model(name, weights="calibrated", num_layers=layers, device="cpu", dtype=dtype, seed=seed)
+    config = {**base.hf_config, "num_hidden_layers": layers, "vocab_size": SIM_VOCAB,
               "bos_token_id": SIM_VOCAB - 2, "eos_token_id": SIM_VOCAB - 1}
     spec = dataclasses.replace(base, hf_config=config)
     tokenizer = ByteTokenizer(spec.hf_config["vocab_size"])
@@ -61,7 +68,8 @@ def build(moe_layers: int, dtype: torch.dtype, seed: int = 0) -> specter.HybridM
 def measure(model, config: specter.SpecterConfig, prompts: list[torch.Tensor], new_tokens: int) -> dict:
     engine = specter.SpecterEngine(model, config)
     if hasattr(engine.planner, "cost"):
-        draft_ms = H200_DRAFT_MS_PER_MOE_LAYER * model.num_moe_layers
+        per_layer = H200_DRAFT_MS_PER_MOE_LAYER.get(model.spec.name, H200_DRAFT_MS_PER_MOE_LAYER["dsv2"])  # tiny: dsv2's
+        draft_ms = per_layer * model.num_moe_layers
         engine.planner.cost = CostModel(draft_ms_per_token=draft_ms, h2d_bytes_per_ms=H200_BYTES_PER_MS,
                                         frozen=True)
     runs = [engine.generate(ids, new_tokens).stats for ids in prompts]
@@ -93,22 +101,29 @@ def measure_mo_sm(model, slots: int, prompts: list[torch.Tensor], new_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(H200_DRAFT_MS_PER_MOE_LAYER), default="dsv2")
+    parser.add_argument("--weights", choices=["synthetic", "calibrated"], default="synthetic")
     parser.add_argument("--moe-layers", type=int, default=4)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                        help="bfloat16 halves the memory (4 MoE layers need about 12 GB in float32)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="default: bfloat16 for synthetic weights (half float32's memory: 4 dsv2 MoE layers "
+                             "need about 12 GB in float32), float16 for calibrated ones (the GPU's dtype)")
     parser.add_argument("--variants", nargs="*", default=[], help="SpecterConfig options, e.g. initial_chunk=1")
     parser.add_argument("--mo-sm", action="store_true", help="also MO-SM's PCIe bytes per token (same memory)")
     args = parser.parse_args()
-    if not 1 <= args.moe_layers <= 26:
-        sys.exit("error: --moe-layers must be in 1..26 (DeepSeek-V2-Lite has 26)")
+    depth = moe_layer_count(hf_config(get_spec(args.model)))
+    if not 1 <= args.moe_layers <= depth:
+        sys.exit(f"error: --moe-layers must be in 1..{depth} ({args.model} has {depth} MoE layers)")
+    if args.k < 1 or args.slots < 1:
+        sys.exit("error: --k and --slots must be at least 1")
     t0 = time.time()
-    model = build(args.moe_layers, getattr(torch, args.dtype))
+    dtype = args.dtype or ("float16" if args.weights == "calibrated" else "bfloat16")
+    model = build(args.model, args.weights, args.moe_layers, getattr(torch, dtype))
     prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:args.prompts]]
-    print(f"built in {time.time() - t0:.0f} s; {args.moe_layers} MoE layers, K={args.k}, {args.slots} slots, "
+    print(f"built in {time.time() - t0:.0f} s; {args.model} ({args.weights}), {args.moe_layers} MoE layers, K={args.k}, {args.slots} slots, "
           f"{args.prompts} prompts x {args.new_tokens} tokens", flush=True)
     offload_experts(model, args.slots)  # host experts, if a variant asks, cost what the H200's host measured
     model.offload.host_experts(model.experts[0].act_fn, H200_HOST_COST)

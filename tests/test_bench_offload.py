@@ -1,7 +1,10 @@
 """scripts/bench_offload.py's summary of runs (on CPU stats: the script itself needs a GPU)."""
 import importlib.util
+import re
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import specter
@@ -29,11 +32,16 @@ def test_summary_rows_line_and_table(capsys):
     assert "specter: TPOT / I/O floor" in out and "draft step" not in out
 
 
-def test_byte_simulation_counts_on_a_tiny_model():
+def load_simulation():
     path = SCRIPT.parent / "sim_offload_bytes.py"
     sim_spec = importlib.util.spec_from_file_location("sim_offload_bytes", path)
     sim = importlib.util.module_from_spec(sim_spec)
     sim_spec.loader.exec_module(sim)
+    return sim
+
+
+def test_byte_simulation_counts_on_a_tiny_model():
+    sim = load_simulation()
     model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
     config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, cuda_graph=False)
     row = sim.measure(model, config, [prompt(), prompt("def f(x):")], 16)
@@ -45,6 +53,19 @@ def test_byte_simulation_counts_on_a_tiny_model():
     excess = row["decode_loads_per_token"] - row["floor_loads_per_token"]
     # each reload and each load of an expert the target did not route is over the floor (one load can be both)
     assert extra <= excess + 1e-9 and row["wasted_per_token"] <= excess + 1e-9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "qwen", "--moe-layers", "25"], "1..24 (qwen has 24 MoE layers)"),
+    (["--moe-layers", "0"], "1..26 (dsv2 has 26 MoE layers)"),
+    (["--weights", "calibrated", "--k", "0"], "--k and --slots must be at least 1"),
+])
+def test_byte_simulation_rejects_bad_arguments_before_building(monkeypatch, argv, message):
+    sim = load_simulation()
+    monkeypatch.setattr(sys, "argv", ["sim_offload_bytes.py", *argv])
+    monkeypatch.setattr(sim, "build", lambda *a, **k: pytest.fail("built a model for bad arguments"))
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        sim.main()
 
 
 def test_variants_parse_numbers_and_names():

@@ -13,7 +13,7 @@ LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 8, 4
 
 
 def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=None,
-               counts: RoutingCounts | None = None) -> ExpertCache:
+               counts: RoutingCounts | None = None, prefetch_victims: str = "any") -> ExpertCache:
     """A cache over a small host store; the popularity policy reads `counts` (new if None)."""
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
@@ -21,7 +21,8 @@ def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=Non
         store.put_layer(layer, gate_up + 1000 * layer, -gate_up[:, :HIDDEN, :INTER] - 1000 * layer)
     streams = streams or DeviceStreams(torch.device("cpu"))
     counts = RoutingCounts() if counts is None else counts
-    return ExpertCache(store, slots, torch.device("cpu"), streams, make_policy(policy, counts), spare_rows)
+    return ExpertCache(store, slots, torch.device("cpu"), streams, make_policy(policy, counts), spare_rows,
+                       prefetch_victims=prefetch_victims)
 
 
 class EventLog:
@@ -160,6 +161,25 @@ def test_popularity_streams_into_the_earliest_released_slots_least_routed_first(
     assert cache.load_if_free(0, 4) == slot[1]  # streamed: least routed of the first wave, not expert 3
     assert cache.load_if_free(0, 5) == slot[0]  # the first wave's last slot before any of the second's
     assert cache.load_if_free(0, 1) == slot[3]  # then the second wave's, least routed first
+
+
+@pytest.mark.parametrize("victims", ["any", "stale"])
+def test_stale_prefetch_keeps_what_the_previous_window_read(victims):
+    cache = make_cache(3, prefetch_victims=victims)
+    assert cache.prefetch(0, 0)  # window 1: a prefetch nobody reads
+    use(cache, 0, 1)  # window 1's verification reads 1 (a miss)
+    cache.begin_window()  # window 2: 2 is prefetched, and verification reads it among the residents
+    assert cache.prefetch(0, 2)
+    resident = cache.protect_resident(0)
+    cache.count_lookups(0, [2], resident, set(), {2})
+    cache.release_all(0, list(resident.values()))
+    cache.begin_window()  # window 3: 0 was never read, 1 was read two windows ago, 2 in the previous one
+    assert cache.prefetch(0, 3)  # evicts 0 under either setting (least recently used; stale)
+    assert cache.prefetch(0, 4) and cache.resident_experts(0) == {2, 3, 4}  # 1 goes: read two windows ago
+    expected = {"any": {3, 4, 5}, "stale": {2, 3, 4}}[victims]  # stale keeps 2; the prefetched 3, 4 are planned
+    assert cache.prefetch(0, 5, keep=frozenset({3, 4})) is (victims == "any")
+    assert cache.resident_experts(0) == expected
+    assert cache.load_if_free(0, 5) is not None  # verification still loads it (demand loads ignore the setting)
 
 
 def test_prefetch_then_hit_is_counted_as_prefetched():

@@ -14,7 +14,8 @@ from specter.errors import SpecterError
 from tests.cli import compose_with
 from tests.conftest import tiny_model
 
-NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "initial_chunk": 3,
+NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "prefetch_victims": "stale",
+               "initial_chunk": 3,
                "early_read_fraction": 0.5, "prefetch_chunk": 2, "verify_wave": 2, "load_ahead_layers": 0,
                "copy_streams": 2, "spare_rows": 8, "cuda_graph": False, "residual_transfer": True, "residual_decode_programs": 32,
                "residual_decode_group": 4, "host_experts": True, "host_expert_threads": 3,
@@ -113,7 +114,7 @@ BAD_VALUES = [("k", True), ("k", 2.5), ("k", "4"), ("k", 0), ("resident_experts_
               ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("residual_transfer", 1), ("residual_decode_programs", -1),
               ("residual_decode_group", 0), ("host_experts", "no"), ("host_expert_threads", -1),
               ("host_expert_threads", 1.5), ("copy_issue", "dma"), ("copy_issue", None),
-              ("eviction", "fifo"),
+              ("eviction", "fifo"), ("prefetch_victims", "none"), ("prefetch_victims", None),
               ("eviction", None), ("initial_chunk", 0), ("initial_chunk", True), ("prefetch_chunk", 0),
               ("early_read_fraction", math.nan), ("early_read_fraction", 1.5), ("early_read_fraction", -0.1),
               ("verify_wave", -1), ("verify_wave", 0.5), ("load_ahead_layers", -1), ("copy_streams", 3),

@@ -31,6 +31,7 @@ class LayerSlots:
     last_use: list = field(default_factory=list)  # slot -> event after the last kernel reading it
     loaded_by: list = field(default_factory=list)  # slot -> PREFETCH / DEMAND / None
     released: list = field(default_factory=list)  # slot -> sequence number of its last release (launch)
+    read_in: list = field(default_factory=list)  # slot -> last window whose verification read its expert (-1: none)
 
     def __post_init__(self) -> None:
         self.clear()
@@ -41,10 +42,14 @@ class LayerSlots:
         self.expert_of, self.slot_of = [None] * n, {}
         self.lru = OrderedDict((s, None) for s in range(n))
         self.protected, self.ready, self.last_use, self.loaded_by = [0] * n, [None] * n, [None] * n, [None] * n
-        self.released = [0] * n
+        self.released, self.read_in = [0] * n, [-1] * n
 
     def unprotected_lru(self) -> list[int]:
         return [s for s in self.lru if not self.protected[s]]
+
+    def read_since(self, window: int) -> frozenset:
+        """Resident experts a verification of window `window` or later has read."""
+        return frozenset(e for e, s in self.slot_of.items() if self.read_in[s] >= window)
 
 
 @dataclass
@@ -107,14 +112,16 @@ class ExpertCache:
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
                  streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_programs: int = 0,
-                 decode_group: int = 1) -> None:
+                 decode_group: int = 1, prefetch_victims: str = "any") -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
         self.decode_launcher = None if residuals is None else residuals.launcher(decode_programs)
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
-                    (decode_programs, decode_group) if residuals is not None else None)  # offload_experts compares
+                    (decode_programs, decode_group) if residuals is not None else None,
+                    prefetch_victims)  # offload_experts compares
+        self.prefetch_victims = prefetch_victims  # "stale": a prefetch keeps what the previous window read
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
                               for layer in range(store.num_layers)] if grouped else None
@@ -133,11 +140,13 @@ class ExpertCache:
         self.spares = deque(SpareRow(row, None, None) for row in range(first_spare, first_spare + self.spare_rows))
         self.releases = 0  # launches whose slots were released (LayerSlots.released numbers them)
         self.counters = CacheCounters()
+        self.window = 0  # decode windows begun (LayerSlots.read_in numbers them)
         self.begin_window()
 
     def begin_window(self) -> None:
         """A decode window starts: forget which experts its evictions removed (for the reload counters)."""
         self.evicted_by: dict[tuple[int, int], str] = {}  # (layer, expert) -> cause of its eviction
+        self.window += 1
 
     @property
     def load_bytes(self) -> float:
@@ -183,6 +192,7 @@ class ExpertCache:
                 slots.loaded_by[slot] = DEMAND  # counted once
         slots.protected[slot] += 1
         slots.lru.move_to_end(slot)
+        slots.read_in[slot] = self.window
         return slot
 
     def protect_resident(self, layer: int) -> dict[int, int]:
@@ -201,6 +211,7 @@ class ExpertCache:
         slots = self.layers[layer]
         slots.protected[slot] += 1
         slots.lru.move_to_end(slot)
+        slots.read_in[slot] = self.window
         return slot
 
     def load_ahead(self, layer: int, expert: int, keep: frozenset) -> bool:
@@ -229,6 +240,7 @@ class ExpertCache:
             if slot is not None:
                 slots.loaded_by[slot] = DEMAND  # a prefetched expert counts once
                 slots.lru.move_to_end(slot)
+                slots.read_in[slot] = self.window
 
     def prefetched_experts(self, layer: int) -> set:
         """Resident experts the planner loaded and no verification has used yet."""
@@ -240,9 +252,13 @@ class ExpertCache:
         """Start loading `expert` unless resident; False if every unprotected slot holds an expert of `keep`
         (this window's plan) or of `predicted` (the experts the window's draft has routed to): a prefetch
         only replaces an expert with no sign of being needed, since evicting a predicted one would just
-        move its load into verification."""
-        if expert in self.layers[layer].slot_of:
+        move its load into verification. With prefetch_victims "stale" it also keeps what the previous
+        window's verification read."""
+        slots = self.layers[layer]
+        if expert in slots.slot_of:
             return True
+        if self.prefetch_victims == "stale":
+            keep = keep | slots.read_since(self.window - 1)
         loaded = self._load_unless_kept(layer, expert, PREFETCH, keep | predicted, predicted=predicted)
         self.counters.prefetch_loads += loaded
         return loaded
@@ -296,6 +312,7 @@ class ExpertCache:
         if earlier is not None:
             self.counters.count_reload(earlier)
         slots.expert_of[slot], slots.slot_of[expert], slots.loaded_by[slot] = expert, slot, reason
+        slots.read_in[slot] = -1  # the caller marks a verification read
         target = self._swap_in_spare(slots, slot)
         waits = dict(after=target.last_use, demand=reason == DEMAND, previous=target.ready)
         if self.residuals is None:
