@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from experiments import records
 from experiments.experiments import EXPERIMENTS
 from experiments.machine import busy_warning, machine_state
-from experiments.settings import check_run_settings, results_dir, write_run_json
+from experiments.settings import check_run_settings, earlier_invocations, invocation, results_dir, write_run_json
 from specter.errors import SpecterError
 from specter.models.loading import checkpoint_architecture
 
@@ -87,13 +87,16 @@ def run(cfg: DictConfig) -> Path:
     def open_writer() -> records.RecordWriter:
         """Create the results directory only once the inputs are valid and the model is loaded."""
         out_dir.mkdir(parents=True, exist_ok=resumed)
-        write_run_json(out_dir, cfg, complete=False)
-        opened.append(records.RecordWriter(out_dir, resume=resumed))
-        return opened[0]
+        writer = records.RecordWriter(out_dir, resume=resumed)
+        calls.extend([*(earlier_invocations(out_dir) if resumed else []), invocation(cfg, len(writer.rows))])
+        write_run_json(out_dir, cfg, complete=False, invocations=calls)
+        opened.append(writer)
+        return writer
 
+    calls: list[dict] = []
     header, by = EXPERIMENTS[cfg.experiment.name](cfg, out_dir, open_writer)
     summary = records.write_summary(out_dir, opened[0].rows, by)
-    write_run_json(out_dir, cfg, complete=True)
+    write_run_json(out_dir, cfg, complete=True, invocations=calls)
     print(f"\n{header}")
     print(records.format_table(summary))
     print(f"results: {out_dir}")

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -287,9 +288,10 @@ def flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
+def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] | None = None) -> None:
     """run.json: resolved config, the checkpoint directory read (absolute; null for seeded weights), git
-    commit, device, package versions, and whether the run finished."""
+    commit, device, package versions, whether the run finished and, where given, `invocations`: one entry per
+    process that wrote rows (see `invocation`). The top-level commit, GPU and machine are the latest one's."""
     checkpoint = checkpoint_path(cfg)
     info = {
         "complete": complete,
@@ -303,7 +305,35 @@ def write_run_json(out_dir: Path, cfg, complete: bool) -> None:
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
     }
+    if invocations is not None:
+        info["invocations"] = invocations
     (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def invocation(cfg, first_row: int) -> dict:
+    """What one process resuming (or starting) a results directory ran under: its start time (UTC), git
+    commit, GPU and machine, and `first_row`, the 0-based index in records.csv of the first row it writes
+    (rows are appended, so entry i wrote rows first_row[i] to first_row[i+1] - 1)."""
+    return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "machine": machine_state(cfg.device), "first_row": first_row}
+
+
+def earlier_invocations(out_dir: Path) -> list[dict]:
+    """The invocations an existing run.json lists; one from its top-level commit, GPU and machine where it
+    predates the list (first_row unknown: None); [] for a new directory or an unreadable run.json."""
+    try:
+        info = json.loads((out_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(info, dict):
+        return []
+    if isinstance(info.get("invocations"), list):
+        return info["invocations"]
+    if "git_commit" not in info and "machine" not in info:
+        return []
+    return [{"started_utc": None, "git_commit": info.get("git_commit"), "gpu": info.get("gpu"),
+             "machine": info.get("machine"), "first_row": None}]
 
 
 def workload(cfg) -> str:

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.figures import main as figures_main
 from experiments.main import run as run_experiment
+from experiments.settings import earlier_invocations
 from tests.cli import cli_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,8 +120,22 @@ def test_resume_skips_finished_cases(tmp_path):
     out = tmp_path / "run"
     run_in_process(*FAST, f"results_dir={out}")
     before = pd.read_csv(out / "records.csv")
+    first = json.loads((out / "run.json").read_text())["invocations"]
+    assert [call["first_row"] for call in first] == [0] and first[0]["machine"]["host_op_us"] > 0
     run_in_process(*FAST, f"results_dir={out}", "resume=true")
     assert len(pd.read_csv(out / "records.csv")) == len(before)  # nothing ran twice
+    calls = json.loads((out / "run.json").read_text())["invocations"]
+    assert calls[0] == first[0] and calls[1]["first_row"] == len(before)  # each process that resumed it, in order
+    assert calls[1]["started_utc"] >= calls[0]["started_utc"]
+
+
+def test_earlier_invocations_of_a_run_json_from_before_the_list(tmp_path):
+    assert earlier_invocations(tmp_path) == []  # no run.json
+    (tmp_path / "run.json").write_text(json.dumps({"git_commit": "abc", "gpu": "H200", "machine": {"host_op_us": 4.7}}))
+    assert earlier_invocations(tmp_path) == [{"started_utc": None, "git_commit": "abc", "gpu": "H200",
+                                              "machine": {"host_op_us": 4.7}, "first_row": None}]
+    (tmp_path / "run.json").write_text("{")  # torn: nothing to keep
+    assert earlier_invocations(tmp_path) == []
 
 
 def test_unavailable_dataset_is_a_row_not_a_crash(tmp_path, monkeypatch):

@@ -84,3 +84,23 @@ def test_the_summary_has_the_floor_and_the_host_paths_bytes_where_measured():
     assert specter.tpot_ms == 10.5 and specter.tpot_over_io_floor == 10.5 / 5.0
     assert specter.io_floor_both_paths_ms_per_token == 4.0 and specter.host_expert_mb_per_token == 2.0
     assert pd.isna(summary.loc[("target_only", "gsm8k")].tpot_over_io_floor)
+
+
+def test_summarize_by_host_splits_rows_at_each_invocations_first_row(tmp_path):
+    import pytest
+    writer = RecordWriter(tmp_path)
+    for repeat in range(3):
+        writer.add(row("specter", repeat))  # tpot 10, 11, 12
+        writer.add(row("target_only", repeat) | {"tpot_ms": 30.0 + 10 * repeat})  # 30, 40, 50
+    run = {"config": {"experiment": {"name": "main"}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    with pytest.raises(ValueError, match="lists no invocations"):
+        summarize_dir(tmp_path, by_host=True)
+    run["invocations"] = [{"first_row": None, "machine": {"host_op_us": 4.7}},  # from before the list: row 0
+                          {"first_row": 4, "machine": {"host_op_us": 9.0}}]
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    summary = summarize_dir(tmp_path, by_host=True).set_index(["system", "host_op_us"])
+    assert (tmp_path / "summary-by-host.csv").is_file() and not (tmp_path / "summary.csv").exists()
+    assert summary.loc[("specter", 4.7), "tpot_median_ms"] == 10.5 and summary.loc[("specter", 9.0), "tpot_ms"] == 12
+    assert summary.loc[("target_only", 4.7), "tpot_over_specter"] == pytest.approx(35 / 10.5)
+    assert summary.loc[("target_only", 9.0), "tpot_over_specter"] == pytest.approx(50 / 12)
