@@ -15,7 +15,8 @@
 # MODELS x MEMS (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS
 # (default 1), TF_CAP (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g.
 # k=8 or k=auto, which reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
-# or a run cut by the call loses its report.tgz), resuming the result
+# or a run cut by the call loses its report.tgz; a run given less than REPORT_MIN_S, default 200 s, is skipped:
+# a full-size model's setup and warm-ups take 100-170 s), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time; RESUME=force continues one whose config has changed since, e.g. a default), a summary
 # per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
@@ -93,6 +94,10 @@ for step in "${STEPS[@]}"; do
     report) rc=0
             for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
               dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume="${RESUME:-true}"
+              if [ "${REPORT_TIMEOUT_S:-0}" -gt 0 ] && [ "${REPORT_TIMEOUT_S}" -lt "${REPORT_MIN_S:-200}" ]; then
+                echo "skipped main-$model-$mem: REPORT_TIMEOUT_S=$REPORT_TIMEOUT_S is below REPORT_MIN_S=${REPORT_MIN_S:-200} (setup alone takes 100-170 s)"
+                rc=1; continue
+              fi
               timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
                 model.weights="${WEIGHTS:-synthetic}" dataset=all \
                 "systems=[${SYSTEMS:-specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp}]" \
