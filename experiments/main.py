@@ -83,6 +83,7 @@ def run(cfg: DictConfig) -> Path:
     out_dir, resumed = results_dir(cfg)
     busy = busy_warning(machine_state(cfg.device))  # taken before the run's own work; printed with the results
     opened: list[records.RecordWriter] = []
+    calls: list[dict] = []  # run.json's invocations: the earlier ones (on resume) and this process
 
     def open_writer() -> records.RecordWriter:
         """Create the results directory only once the inputs are valid and the model is loaded."""
@@ -93,7 +94,6 @@ def run(cfg: DictConfig) -> Path:
         opened.append(writer)
         return writer
 
-    calls: list[dict] = []
     header, by = EXPERIMENTS[cfg.experiment.name](cfg, out_dir, open_writer)
     summary = records.write_summary(out_dir, opened[0].rows, by)
     write_run_json(out_dir, cfg, complete=True, invocations=calls)
