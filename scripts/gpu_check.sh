@@ -2,7 +2,8 @@
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
 #   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|report|batch|llamacpp ...]
 #   (default: tests profile overlap kernel offload, in this order)
-# tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes; overlap: when the copy
+# tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes (PROFILE_ARGS=--compile
+# adds the torch.compile'd step beside it: compile time, same tokens, replay ratio); overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
 # kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
 # OFFLOAD_VARIANTS (default: no spare rows, 8 spare rows, no early read, the defaults again), each row
@@ -58,7 +59,8 @@ for step in "${STEPS[@]}"; do
   case "$step" in
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1; rc=$?
            grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3; grep -E "^FAILED" "$OUT/gpu_tests.log" ;;
-    profile) python3 scripts/profile_draft.py --model dsv2 --out "$OUT" 2>&1 | grep -v -i warn; rc=${PIPESTATUS[0]} ;;
+    profile) python3 scripts/profile_draft.py --model dsv2 --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | grep -v -i -E "warn|^W[0-9]{4} "
+             rc=${PIPESTATUS[0]} ;;
     overlap) python3 scripts/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
              rc=${PIPESTATUS[0]} ;;
     residual) python3 scripts/bench_residual.py --models dsv2 phi --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn

@@ -1,16 +1,20 @@
 """Where the draft step's time goes (GPU): graph replay time, and the CUDA kernels of one step by total time.
 
-    python scripts/profile_draft.py --model dsv2 --out DIR
+    python scripts/profile_draft.py --model dsv2 --out DIR [--compile]
 
 Synthetic full-size weights (bf16, the default on CUDA), experts resident (the draft reads only the INT4 experts). Prints
 the replayed step's median time, then the top kernels of one eager step and of one replay, grouped by
-name (torch.profiler), and writes profile.csv.
+name (torch.profiler), and writes profile.csv. With --compile it also captures the step compiled by
+torch.compile (SpecterConfig.draft_compile) over its own static cache, checks that both give the same
+tokens for CHECK_STEPS chained steps, and prints its compile time, replay time and the ratio to the plain
+replay, and its kernels.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +31,7 @@ from specter.prefetch.lookahead import ExpertLookaheadBuffer  # noqa: E402
 from specter.speculative.state import new_static_cache  # noqa: E402
 
 PROMPT_TOKENS = 16
+CHECK_STEPS = 8
 
 
 def replay_ms(graph: DraftStepGraph, token: torch.Tensor, reps: int) -> float:
@@ -70,6 +75,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd step (draft_compile)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: profile_draft.py needs a CUDA GPU")
@@ -81,13 +87,18 @@ def main() -> None:
 
 def profile(model, args) -> None:
     """Replay time of the draft step, then the top kernels of an eager and a replayed step; profile.csv."""
-    cache = new_static_cache(model, 256)
     prompt = torch.randint(0, 256, (1, PROMPT_TOKENS), device="cuda")
-    model.forward(prompt, cache, TARGET)
+    cache = prefilled_cache(model, prompt)
     elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
     graph = DraftStepGraph(model, cache, elb, PROMPT_TOKENS)
     token = torch.tensor([[65]], device="cuda")
-    print(f"{args.model}: draft step (graph replay) median {replay_ms(graph, token, args.reps):.3f} ms")
+    compiled = compare_compiled(model, prompt, elb, graph, token) if args.compile else None
+    plain_ms = replay_ms(graph, token, args.reps)
+    print(f"{args.model}: draft step (graph replay) median {plain_ms:.3f} ms")
+    if compiled is not None:
+        compiled_ms = replay_ms(compiled, token, args.reps)
+        print(f"{args.model}: compiled draft step (graph replay) median {compiled_ms:.3f} ms, "
+              f"plain / compiled {plain_ms / compiled_ms:.2f}")
 
     def eager_step():
         with model.observe_draft_routing(elb.observe):
@@ -98,7 +109,39 @@ def profile(model, args) -> None:
     eager_step()
     rows = kernel_table(eager_step, "eager step", args.top) + kernel_table(lambda: graph.step(token), "graph replay",
                                                                             args.top)
+    if compiled is not None:
+        rows += kernel_table(lambda: compiled.step(token), "compiled graph replay", args.top)
     write_rows_csv(args.out / "profile.csv", rows)
+
+
+def prefilled_cache(model, prompt: torch.Tensor):
+    cache = new_static_cache(model, 256)
+    model.forward(prompt, cache, TARGET)
+    return cache
+
+
+def chained_tokens(graph: DraftStepGraph, token: torch.Tensor, steps: int) -> list[int]:
+    """Greedy draft tokens of `steps` chained replays from `token`; the graph's cache is rolled back after."""
+    out, current = [], token
+    for _ in range(steps):
+        current = graph.step(current)
+        out.append(int(current[0]))
+    for layer in graph.cache.layers:
+        layer.cumulative_length.fill_(PROMPT_TOKENS)
+    return out
+
+
+def compare_compiled(model, prompt: torch.Tensor, elb, graph: DraftStepGraph, token: torch.Tensor) -> DraftStepGraph:
+    """The compiled step captured over its own prefilled cache; prints its compile + capture time and
+    whether its chained tokens equal the plain graph's."""
+    start = time.perf_counter()
+    compiled = DraftStepGraph(model, prefilled_cache(model, prompt), elb, PROMPT_TOKENS, compiled=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    plain_tokens, compiled_tokens = chained_tokens(graph, token, CHECK_STEPS), chained_tokens(compiled, token, CHECK_STEPS)
+    same = "yes" if plain_tokens == compiled_tokens else f"no ({plain_tokens} vs {compiled_tokens})"
+    print(f"compiled step: compile + capture {seconds:.1f} s; {CHECK_STEPS} chained tokens equal: {same}")
+    return compiled
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ class SpecterConfig:
       so a copy never waits for the kernels still reading its victim (0: copies go into the victim's row).
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
+    draft_compile: torch.compile the draft step before capturing it (fused kernels for the dense part of
+      each layer; compiling takes tens of seconds at the first request of each static cache shape, and a
+      failure falls back to the plain step: draft_graph then says "on, not compiled: why").
     residual_transfer: expert loads move the lossless residual of each 16-bit expert against the draft's
       INT4 codes already on the GPU (about 0.55x of the bytes in bf16, 0.7x in fp16) and a GPU kernel
       rebuilds the exact weights into the slot (specter.offload.residual_store).
@@ -85,6 +88,7 @@ class SpecterConfig:
     copy_streams: int = 1
     spare_rows: int = 4
     cuda_graph: bool = True
+    draft_compile: bool = False
     residual_transfer: bool = False
     host_experts: bool = False
     host_expert_threads: int = 0
@@ -100,7 +104,7 @@ class SpecterConfig:
         _number(self, "temperature", "a finite number >= 0", lambda x: x >= 0)
         _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
         _integer(self, "seed", None)
-        for name in ("prefetch", "expert_wise", "cuda_graph", "residual_transfer", "host_experts"):
+        for name in ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "residual_transfer", "host_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:

@@ -49,7 +49,7 @@ class SpecterEngine:
         self.config.check_against(model.num_experts)
         self.generator: torch.Generator | None = None
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
-        self.graphs = DraftGraphCache(model, self.elb)
+        self.graphs = DraftGraphCache(model, self.elb, self.config.draft_compile)
         self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()
         slots = self.config.resident_experts_per_layer
         self.offload_config = None if slots is None else OffloadConfig.of(self.config)

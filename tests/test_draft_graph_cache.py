@@ -1,7 +1,10 @@
-"""The draft-graph cache: one static KV cache and captured step per batch shape, kept while it fits (CPU: no capture)."""
+"""The draft-graph cache: one static KV cache and captured step per batch shape, kept while it fits (CPU: no
+capture), and the draft step it captures, plain or compiled."""
+import pytest
 import torch
 
-from specter.offload.draft_graph import DraftGraphCache
+from specter.offload.draft_graph import DraftGraphCache, draft_step_fn
+from specter.speculative.state import new_static_cache
 from specter.prefetch.lookahead import ExpertLookaheadBuffer
 from tests.conftest import tiny_model
 
@@ -38,3 +41,27 @@ def test_capture_is_tried_once_per_cache_and_only_over_the_entrys_cache():
     assert cache.status(None) == "failed: no CUDA device" and cache.graph(None, static) is None
     cache.static_cache(None, 100)  # a new cache: its graph is to be captured again
     assert cache.status(None) == "off"
+
+
+@pytest.mark.slow
+def test_the_compiled_draft_step_gives_the_plain_steps_tokens():
+    """draft_compile's step function (torch.compile, static shapes) against the plain one, each over its own
+    static KV cache, for a few greedy steps (CPU: the experts run through the torch reference)."""
+    model = tiny_model("tiny-qwen")
+    plain, compiled = draft_step_fn(model), draft_step_fn(model, compiled=True)
+    with torch.inference_mode():
+        caches = new_static_cache(model, 16), new_static_cache(model, 16)
+        tokens = [torch.tensor([[7]]), torch.tensor([[7]])]
+        for _ in range(4):
+            tokens = [plain(tokens[0], caches[0], None, None), compiled(tokens[1], caches[1], None, None)]
+            assert tokens[0].shape == (1, 1) and torch.equal(tokens[0], tokens[1])
+    assert int(caches[1].layers[0].cumulative_length) == 4  # the compiled step wrote its KV too
+
+
+def test_the_cache_passes_compile_on_and_a_cpu_still_drafts_eagerly():
+    model = tiny_model("tiny")
+    cache = DraftGraphCache(model, ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device),
+                            compiled=True)
+    static = cache.static_cache(None, 40, min_length=64)
+    assert cache.compiled and cache.capture(None, static, 0) is None
+    assert cache.status(None) == "failed: no CUDA device"

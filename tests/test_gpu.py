@@ -199,6 +199,21 @@ def test_draft_graph_replay_gives_the_eager_tokens(name, dtype):
     assert first.stats["acceptance_rate"] == eager.stats["acceptance_rate"]
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
+def test_a_compiled_draft_step_is_captured_and_stays_lossless(name):
+    """draft_compile: the step goes through torch.compile before capture; offloaded greedy output still
+    equals target-only's (float16: the verify pass is the same code; its window shapes may differ)."""
+    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+    ids = prompt()
+    reference = TargetOnly(model).generate(ids, 40).token_ids
+    config = specter.SpecterConfig(k=6, resident_experts_per_layer=2, draft_compile=True)
+    engine = specter.SpecterEngine(model, config)
+    first, second = engine.generate(ids, 40), engine.generate(ids, 40)  # compile + capture once, replay after
+    assert first.stats["draft_graph"] == "on, compiled", first.stats["draft_graph"]
+    assert first.token_ids == second.token_ids == reference
+    assert first.stats["acceptance_rate"] > 0.5
+
+
 def test_a_longrope_model_drafts_eagerly_and_leaves_the_cuda_generator_usable():
     """Phi's longrope syncs in every step, so its draft step is not captured; a failed capture used to
     leave the CUDA generator unusable for the rest of the process."""

@@ -12,6 +12,16 @@ from specter.speculative.state import new_static_cache, rope_switch
 WARMUP_STEPS = 2
 
 
+def draft_step_fn(model, compiled: bool = False):
+    """`(tokens [B, 1], cache, mask, positions) -> argmax(draft logits)` [B, 1]; with `compiled`, the same
+    function through torch.compile (static shapes, so it compiles once per cache and batch shape): fewer,
+    fused kernels for the dense part of each layer (norms, rotary, casts, copies)."""
+    def step(tokens, cache, mask, positions):
+        logits = model.forward(tokens, cache, DRAFT, mask, positions)[:, -1]  # [B, V]
+        return logits.argmax(dim=-1, keepdim=True)
+    return torch.compile(step, dynamic=False) if compiled else step
+
+
 class DraftStepGraph:
     """Captures `tokens -> argmax(draft logits)` once and replays it for every draft step.
 
@@ -22,8 +32,9 @@ class DraftStepGraph:
     """
 
     def __init__(self, model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None) -> None:
+                 positions: torch.Tensor | None = None, compiled: bool = False) -> None:
         self.model, self.cache, self.elb = model, cache, elb
+        self.step_fn = draft_step_fn(model, compiled)  # compiled at the first warm-up step
         batch = 1 if positions is None else positions.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)  # static input
         self.mask = None if mask is None else mask.clone()  # static inputs of a batch
@@ -41,8 +52,7 @@ class DraftStepGraph:
         self._rollback(kv_length)
 
     def _step(self) -> torch.Tensor:
-        logits = self.model.forward(self.token, self.cache, DRAFT, self.mask, self.positions)[:, -1]  # [B, V]
-        return logits.argmax(dim=-1, keepdim=True)
+        return self.step_fn(self.token, self.cache, self.mask, self.positions)
 
     def _rollback(self, kv_length: int) -> None:
         for layer in self.cache.layers:
@@ -62,21 +72,38 @@ class DraftStepGraph:
 
 
 def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
-                       positions: torch.Tensor | None = None) -> tuple[DraftStepGraph | None, str]:
-    """(graph, "") or (None, reason) when capture is not possible here; the caller then drafts eagerly.
-    A batch passes its first step's `mask` and `positions` (their shapes are captured)."""
+                       positions: torch.Tensor | None = None, compiled: bool = False) -> tuple[DraftStepGraph | None, str]:
+    """(graph, status) or (None, reason) when capture is not possible here; the caller then drafts eagerly.
+    A batch passes its first step's `mask` and `positions` (their shapes are captured). With `compiled`
+    the step is compiled first; if that fails, the plain step is captured and the status says why."""
     if model.device.type != "cuda":
         return None, "no CUDA device"
     if rope_switch(model.hf.config) is not None:  # a failed capture would leave the CUDA generator unusable
         return None, "longrope picks its factors on the host from the positions (a sync in every step)"
+    compile_problem = ""
+    if compiled:
+        try:
+            return DraftStepGraph(model, cache, elb, kv_length, mask, positions, compiled=True), "on, compiled"
+        except Exception as err:  # a compiler error or an op capture rejects in the compiled step
+            _undo_warmup(cache, elb, kv_length)
+            compile_problem = f", not compiled: {_reason(err)}"
     try:
-        return DraftStepGraph(model, cache, elb, kv_length, mask, positions), ""
+        return DraftStepGraph(model, cache, elb, kv_length, mask, positions), "on" + compile_problem
     except Exception as err:  # capture rejects host syncs and unsupported ops: fall back, say why
-        torch.cuda.synchronize()
-        for layer in cache.layers:  # undo the warm-up's KV writes and counts
-            layer.cumulative_length.fill_(kv_length)
-        elb.clear()
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        _undo_warmup(cache, elb, kv_length)
+        return None, _reason(err)
+
+
+def _undo_warmup(cache, elb, kv_length: int) -> None:
+    """After a failed capture: wait for the device, undo the warm-up's KV writes and counts."""
+    torch.cuda.synchronize()
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(kv_length)
+    elb.clear()
+
+
+def _reason(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" if str(err) else type(err).__name__
 
 
 @dataclass
@@ -98,8 +125,8 @@ class DraftGraphCache:
     with it (the captured addresses changed); a capture that failed is not tried again on the same cache.
     """
 
-    def __init__(self, model, elb) -> None:
-        self.model, self.elb = model, elb
+    def __init__(self, model, elb, compiled: bool = False) -> None:
+        self.model, self.elb, self.compiled = model, elb, compiled  # compiled: torch.compile the step first
         self._entries: dict[bool, GraphEntry] = {}  # batched? -> its entry
 
     def static_cache(self, batch: int | None, length: int, min_length: int = 0) -> StaticCache:
@@ -118,8 +145,9 @@ class DraftGraphCache:
         with its first step's `mask` and `positions`), or None: draft eagerly."""
         entry = self._entry(batch, cache)
         if entry is not None and entry.graph is None and entry.status == "off":
-            entry.graph, reason = capture_draft_step(self.model, cache, self.elb, kv_length, mask, positions)
-            entry.status = "on" if entry.graph is not None else f"failed: {reason}"
+            entry.graph, status = capture_draft_step(self.model, cache, self.elb, kv_length, mask, positions,
+                                                     self.compiled)
+            entry.status = status if entry.graph is not None else f"failed: {status}"
         return self.graph(batch, cache)
 
     def graph(self, batch: int | None, cache) -> DraftStepGraph | None:
@@ -128,7 +156,8 @@ class DraftGraphCache:
         return None if entry is None else entry.graph
 
     def status(self, batch: int | None) -> str:
-        """"on", "off" (nothing captured) or "failed: why" for `batch`'s static cache."""
+        """"on" ("on, compiled" with torch.compile, "on, not compiled: why" when compiling failed), "off"
+        (nothing captured) or "failed: why" for `batch`'s static cache."""
         entry = self._entries.get(batch is not None)
         return "off" if entry is None else entry.status
 
