@@ -3,8 +3,10 @@
     python -m experiments.compare results/reference/main-h200-dsv2-high-k8 results/rerun/dsv2-high
     python -m experiments.compare REF RERUN --tolerance 0.10 --metric tpot_ms
 
-Each side is a results directory (its records.csv); the medians are over every measured case (prompts x
-repeats) of a system and dataset, and over all of a system's cases as dataset `ALL`. A warning names any
+Each side is a results directory (its records.csv); the medians are over the measured cases (prompts x
+repeats) of a system and dataset, and over all of a system's cases as dataset `ALL`. Only the (system,
+dataset, prompt) cases that both runs measured count, so a partial run is compared like with like (a note
+says how many rows that left out; --all-cases compares every case of each side). A warning names any
 setup the two differ in (model, weights, memory, dtype, lengths from run.json; the K values run), and
 another warns when the hosts' time per small torch op (run.json's machine.host_op_us) differs by more than
 the tolerance: eagerly run systems (the baselines) follow the host's speed. Exit status: 0 when every pair
@@ -36,6 +38,18 @@ def medians(records: pd.DataFrame, metric: str) -> pd.Series:
     return pd.concat([per_dataset, overall])
 
 
+CASE = ["system", "dataset", "prompt_id"]  # a case as both runs name it; repeats are pooled
+
+
+def shared_cases(reference: pd.DataFrame, rerun: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The measured rows of each run whose (system, dataset, prompt) the other run measured too."""
+    def keys(frame: pd.DataFrame) -> pd.Series:
+        return frame[CASE].astype(str).agg("|".join, axis=1)
+    reference, rerun = (frame[frame.status == "ok"] for frame in (reference, rerun))
+    ref_keys, rerun_keys = keys(reference), keys(rerun)
+    return reference[ref_keys.isin(set(rerun_keys))], rerun[rerun_keys.isin(set(ref_keys))]
+
+
 def compare(reference: pd.Series, rerun: pd.Series, tolerance: float = TOLERANCE) -> pd.DataFrame:
     """Rows (system, dataset, reference, rerun, ratio = rerun / reference, within) for the pairs both hold."""
     both = reference.index.intersection(rerun.index, sort=False)
@@ -48,15 +62,14 @@ def compare(reference: pd.Series, rerun: pd.Series, tolerance: float = TOLERANCE
 SETUP = ("model.name", "model.weights", "mem.name", "dtype", "max_new_tokens", "prefix_tokens")  # what must agree
 
 
-def load(directory: Path, metric: str) -> tuple[pd.Series, dict, float | None]:
-    """The run's medians, its setup (SETUP keys from run.json where it has one, and the K values run) and its
+def load(directory: Path, metric: str) -> tuple[pd.DataFrame, dict, float | None]:
+    """The run's records, its setup (SETUP keys from run.json where it has one, and the K values run) and its
     host's us per small torch op (run.json's machine.host_op_us; None where it has none)."""
     records = directory / "records.csv"
     if not records.is_file():
         raise ValueError(f"{directory} is not a results directory (it has no records.csv)")
     frame = read_records(records)
-    values = medians(frame, metric)
-    if values.empty:
+    if medians(frame, metric).empty:
         raise ValueError(f"{records} holds no measured {metric}")
     setup = {"k": sorted({str(k) for k in frame[frame.status == "ok"].get("k", [])})}
     run, host_op_us = directory / "run.json", None
@@ -69,7 +82,7 @@ def load(directory: Path, metric: str) -> tuple[pd.Series, dict, float | None]:
             for part in key.split("."):
                 value = value.get(part) if isinstance(value, dict) else None
             setup[key] = value
-    return values, setup, host_op_us
+    return frame, setup, host_op_us
 
 
 def setup_differences(reference: dict, rerun: dict) -> list[str]:
@@ -92,18 +105,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rerun", type=Path)
     parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest |rerun / reference - 1|")
     parser.add_argument("--metric", default="tpot_ms")
+    parser.add_argument("--all-cases", action="store_true",
+                        help="compare every case of each run, not only the (system, dataset, prompt) cases both measured")
     args = parser.parse_args(argv)
     try:
         if not args.tolerance >= 0:
             raise ValueError(f"--tolerance must be a number >= 0, got {args.tolerance}")
         (reference, reference_setup, reference_host), (rerun, rerun_setup, rerun_host) = (
             load(args.reference, args.metric), load(args.rerun, args.metric))
-        table = compare(reference, rerun, args.tolerance)
+        dropped = ""
+        if not args.all_cases:
+            measured = sum(int((frame.status == "ok").sum()) for frame in (reference, rerun))
+            reference, rerun = shared_cases(reference, rerun)
+            left_out = measured - len(reference) - len(rerun)
+            dropped = (f"note: {left_out} measured rows are cases only one run has; compared over the "
+                       f"(system, dataset, prompt) cases both measured (--all-cases: every case)") if left_out else ""
+        table = compare(medians(reference, args.metric), medians(rerun, args.metric), args.tolerance)
         if table.empty:
             raise ValueError("the two runs share no (system, dataset) with a measured value")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if dropped:
+        print(dropped, file=sys.stderr)
     differences = setup_differences(reference_setup, rerun_setup)
     if differences:
         print(f"warning: the runs differ in setup ({'; '.join(differences)}): not a re-run of the same case",

@@ -59,3 +59,17 @@ def test_hosts_of_another_speed_are_named(tmp_path, capsys):
     assert "hosts differ in speed (host_op_us 4.0 -> 6.0, 1.50x)" in err and "differ in setup" not in err
     assert main([str(tmp_path / "ref"), str(tmp_path / "same")]) == 0
     assert "hosts differ" not in capsys.readouterr().err
+
+
+def test_a_partial_rerun_is_compared_over_the_prompts_both_measured(tmp_path, capsys):
+    """The reference has prompts 0 and 1 (3 repeats each), the re-run prompt 0 only: prompt 1's rows (twice as
+    slow) stay out of the reference's median unless --all-cases asks for every case."""
+    write_run(tmp_path / "ref", {("specter", "gsm8k"): [10.0, 10.0, 10.0, 20.0, 20.0, 20.0]})
+    write_run(tmp_path / "new", {("specter", "gsm8k"): [10.5, 10.5]})
+    assert main([str(tmp_path / "ref"), str(tmp_path / "new")]) == 0
+    captured = capsys.readouterr()
+    assert "2 of 2 medians within 10%" in captured.out
+    assert "note: 3 measured rows are cases only one run has" in captured.err
+    assert main([str(tmp_path / "ref"), str(tmp_path / "new"), "--all-cases"]) == 1  # median 15 against 10.5
+    captured = capsys.readouterr()
+    assert "specter/gsm8k (0.70x)" in captured.out and "note:" not in captured.err
