@@ -26,7 +26,7 @@ from specter.hooks import attributes_set  # noqa: E402
 from specter.kernels.moe_align import MoEWorkspace  # noqa: E402
 from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.hybrid_experts import DRAFT, TARGET  # noqa: E402
-from specter.offload.draft_graph import DraftStepGraph  # noqa: E402
+from specter.offload.draft_graph import DraftStepGraph, rollback  # noqa: E402
 from specter.prefetch.lookahead import ExpertLookaheadBuffer  # noqa: E402
 from specter.speculative.state import new_static_cache  # noqa: E402
 
@@ -103,8 +103,7 @@ def profile(model, args) -> None:
     def eager_step():
         with model.observe_draft_routing(elb.observe):
             model.forward(token, cache, DRAFT)
-        for layer in cache.layers:  # roll the step back
-            layer.cumulative_length.fill_(PROMPT_TOKENS)
+        rollback(cache, elb, PROMPT_TOKENS)
 
     eager_step()
     rows = kernel_table(eager_step, "eager step", args.top) + kernel_table(lambda: graph.step(token), "graph replay",
@@ -121,13 +120,13 @@ def prefilled_cache(model, prompt: torch.Tensor):
 
 
 def chained_tokens(graph: DraftStepGraph, token: torch.Tensor, steps: int) -> list[int]:
-    """Greedy draft tokens of `steps` chained replays from `token`; the graph's cache is rolled back after."""
+    """Greedy draft tokens of `steps` chained replays from `token`; the graph's cache and counters are rolled
+    back after."""
     out, current = [], token
     for _ in range(steps):
         current = graph.step(current)
         out.append(int(current[0]))
-    for layer in graph.cache.layers:
-        layer.cumulative_length.fill_(PROMPT_TOKENS)
+    rollback(graph.cache, graph.elb, PROMPT_TOKENS)
     return out
 
 

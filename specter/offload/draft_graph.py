@@ -45,19 +45,14 @@ class DraftStepGraph:
         with torch.cuda.stream(stream), model.observe_draft_routing(elb.observe):
             for _ in range(WARMUP_STEPS):
                 self._step()
-                self._rollback(kv_length)
+                rollback(cache, elb, kv_length)
             with torch.cuda.graph(self.graph, stream=stream):
                 self.next_token = self._step()  # [B, 1], static output
         torch.cuda.current_stream().wait_stream(stream)
-        self._rollback(kv_length)
+        rollback(cache, elb, kv_length)
 
     def _step(self) -> torch.Tensor:
         return self.step_fn(self.token, self.cache, self.mask, self.positions)
-
-    def _rollback(self, kv_length: int) -> None:
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(kv_length)
-        self.elb.clear()
 
     def step(self, token: torch.Tensor, mask: torch.Tensor | None = None,
              positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,12 +89,17 @@ def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | N
         return None, _reason(err)
 
 
-def _undo_warmup(cache, elb, kv_length: int) -> None:
-    """After a failed capture: wait for the device, undo the warm-up's KV writes and counts."""
-    torch.cuda.synchronize()
+def rollback(cache, elb, kv_length: int) -> None:
+    """Undo draft steps over a static cache: its length back to `kv_length`, the lookahead counters cleared."""
     for layer in cache.layers:
         layer.cumulative_length.fill_(kv_length)
     elb.clear()
+
+
+def _undo_warmup(cache, elb, kv_length: int) -> None:
+    """After a failed capture: wait for the device, then roll back the warm-up's KV writes and counts."""
+    torch.cuda.synchronize()
+    rollback(cache, elb, kv_length)
 
 
 def _reason(err: Exception) -> str:
