@@ -29,7 +29,9 @@ SHAPES = {  # name: (hidden, intermediate, routed experts, top_k)
 }
 SMOKE_SHAPES = {"smoke": (256, 128, 8, 2)}
 TOKENS = (1, 4, 16, 64, 128)
-SWEEP = [(16, 32, 2), (16, 64, 3), (16, 128, 2), (32, 64, 2), (16, 64, 4)]  # (block_m, block_n, num_stages)
+SWEEP = [(16, n, st, 4) for n in (32, 64) for st in (2, 3)] + [(32, 64, 2, 4)]  # (block_m, block_n, stages, warps)
+DECODE_SWEEP = [(gu, dn, st, wp) for gu, dn in ((16, 32), (32, 64), (64, 128), (32, 32), (16, 64))
+                for st in (2, 4) for wp in (2, 4)]  # (gate_up block_n, down block_n, stages, warps)
 COLUMNS = ["model", "hidden", "intermediate", "experts", "top_k", "tokens", "system", "median_ms", "rel_err"]
 
 
@@ -41,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sweep", action="store_true", help="also time the fused kernel with a few other tile configs")
+    p.add_argument("--sweep", action="store_true", help="also time the fused kernel with other tile configs "
+                   "(on CUDA, each as a graph replay too)")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: tiny shape, fp32, Triton interpreter")
     return p.parse_args()
 
@@ -81,23 +84,30 @@ def make_inputs(layer: Layer, tokens: int, device, dtype, gen: torch.Generator):
 
 def systems(layer: Layer, kernels, sweep: bool) -> dict:
     """name -> (fn(x, idx, w) -> [T, H], reference kind: 'int4' or 'dense')."""
+    from specter.kernels.int4_decode import DecodeConfig, int4_moe_decode
     from specter.kernels.reference import expert_wise_moe, int4_moe_reference
 
     silu, ws = torch.nn.functional.silu, kernels.MoEWorkspace()
     dense_of = lambda e: (layer.gate_up_w[e], layer.down_w[e])  # noqa: E731
     table = {
         "fused_int4": (lambda x, i, w: kernels.fused_int4_moe(x, i, w, layer.gate_up, layer.down, silu, ws), "int4"),
+        "decode_int4": (lambda x, i, w: int4_moe_decode(x, i, w, layer.gate_up, layer.down, silu, ws), "int4"),
         "unfused_int4": (lambda x, i, w: kernels.unfused_int4_moe(x, i, w, layer.gate_up, layer.down, silu, ws),
                          "int4"),
         "fp16_expert_wise": (lambda x, i, w: expert_wise_moe(x, i, w, dense_of, layer.experts, silu), "dense"),
         "torch_int4_reference": (lambda x, i, w: int4_moe_reference(x, i, w, layer.gate_up, layer.down, silu),
                                  "int4"),
     }
-    for bm, bn, st in SWEEP if sweep else []:
-        cfg, cfg_ws = kernels.KernelConfig(block_m=bm, block_n=bn, num_stages=st), kernels.MoEWorkspace()
+    for bm, bn, st, wp in SWEEP if sweep else []:
+        cfg = kernels.KernelConfig(block_m=bm, block_n=bn, num_stages=st, num_warps=wp)
         fn = (lambda c, cw: lambda x, i, w: kernels.fused_int4_moe(x, i, w, layer.gate_up, layer.down, silu,
-                                                                   cw, c))(cfg, cfg_ws)
-        table[f"fused_int4[m{bm}n{bn}s{st}]"] = (fn, "int4")
+                                                                   cw, c))(cfg, kernels.MoEWorkspace())
+        table[f"fused_int4[m{bm}n{bn}s{st}w{wp}]"] = (fn, "int4")
+    for gu, dn, st, wp in DECODE_SWEEP if sweep else []:
+        cfg = DecodeConfig(gate_up_block_n=gu, down_block_n=dn, num_stages=st, num_warps=wp)
+        fn = (lambda c, cw: lambda x, i, w: int4_moe_decode(x, i, w, layer.gate_up, layer.down, silu, cw, c))(
+            cfg, kernels.MoEWorkspace())
+        table[f"decode_int4[g{gu}d{dn}s{st}w{wp}]"] = (fn, "int4")
     return table
 
 
@@ -151,6 +161,19 @@ def graph_replay(fn, x, idx, w):
     return graph.replay, out
 
 
+def graph_row(layer: Layer, tokens: int, name: str, fn, inputs: tuple, args) -> dict:
+    """fn timed as a CUDA graph replay (as the draft step runs it: no launch overhead), checked against eager."""
+    replay, out = graph_replay(fn, *inputs)
+    replay()
+    err = rel_err(out, fn(*inputs).float())  # vs eager, same inputs
+    ms = median_ms(replay, args.warmup, args.reps, True)
+    graph_name = name.replace("_int4", "_int4_graph", 1)
+    print(f"{layer.name:18s} T={tokens:<4d} {graph_name:26s} {ms:9.4f} ms  vs eager {err:.2e}", flush=True)
+    return {"model": layer.name, "hidden": layer.hidden, "intermediate": layer.inter, "experts": layer.experts,
+            "top_k": layer.top_k, "tokens": tokens, "system": graph_name, "median_ms": round(ms, 4),
+            "rel_err": f"{err:.2e}"}
+
+
 def bench_layer(layer: Layer, args, kernels, device, dtype) -> list[dict]:
     rows, gen = [], torch.Generator(device=device).manual_seed(args.seed + 1)
     table = systems(layer, kernels, args.sweep)
@@ -165,16 +188,8 @@ def bench_layer(layer: Layer, args, kernels, device, dtype) -> list[dict]:
                          "experts": layer.experts, "top_k": layer.top_k, "tokens": tokens, "system": name,
                          "median_ms": round(ms, 4), "rel_err": f"{errs[name]:.2e}"})
             print(f"{layer.name:18s} T={tokens:<4d} {name:26s} {ms:9.4f} ms  rel_err {errs[name]:.2e}", flush=True)
-        if device.type == "cuda":  # the draft runs the fused kernel inside a CUDA graph: no launch overhead
-            replay, out = graph_replay(table["fused_int4"][0], x, idx, w)
-            replay()
-            err = rel_err(out, table["fused_int4"][0](x, idx, w).float())  # vs eager, same inputs
-            ms = median_ms(replay, args.warmup, args.reps, True)
-            rows.append({"model": layer.name, "hidden": layer.hidden, "intermediate": layer.inter,
-                         "experts": layer.experts, "top_k": layer.top_k, "tokens": tokens,
-                         "system": "fused_int4_graph", "median_ms": round(ms, 4), "rel_err": f"{err:.2e}"})
-            print(f"{layer.name:18s} T={tokens:<4d} {'fused_int4_graph':26s} {ms:9.4f} ms  vs eager {err:.2e}",
-                  flush=True)
+        for name in [n for n in table if n.startswith(("fused_int4", "decode_int4"))] if device.type == "cuda" else []:
+            rows.append(graph_row(layer, tokens, name, table[name][0], (x, idx, w), args))
     return rows
 
 

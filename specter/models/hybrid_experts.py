@@ -6,6 +6,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from specter.kernels.int4_decode import DECODE_MAX_PAIRS, int4_moe_decode
 from specter.kernels.int4_moe import TRITON_AVAILABLE, MoEWorkspace, fused_int4_moe
 from specter.kernels.reference import expert_wise_moe, int4_moe_reference
 from specter.quant.int4 import Int4Linear, quantize_rtn
@@ -84,7 +85,11 @@ class HybridExperts(nn.Module):
                                self.act_fn)
 
     def draft_experts(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """INT4 routed experts: the fused Triton kernel on CUDA, the torch reference elsewhere."""
+        """INT4 routed experts: on CUDA the Triton GEMV kernels for a few routed pairs (a draft step), the
+        tiled fused kernel for more; the torch reference elsewhere."""
+        if hidden.is_cuda and TRITON_AVAILABLE and top_k_index.numel() <= DECODE_MAX_PAIRS:
+            return int4_moe_decode(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
+                                   self.act_fn, workspace=self.draft_workspace)
         if hidden.is_cuda and TRITON_AVAILABLE:
             return fused_int4_moe(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
                                   self.act_fn, workspace=self.draft_workspace)

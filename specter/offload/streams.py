@@ -359,6 +359,7 @@ class HostTap:
         self.event = torch.cuda.Event(external=True) if cuda else None
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
 
+    @torch.compiler.disable  # inside a torch.compile'd draft step: a graph break, run as written (and captured)
     def record(self, tensor: torch.Tensor) -> None:
         """Copy `tensor` to the host buffer when the current stream gets here (synchronous on CPU)."""
         self.host.copy_(tensor, non_blocking=self.event is not None)
