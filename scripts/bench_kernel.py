@@ -1,4 +1,4 @@
-"""Benchmark one MoE layer's routed experts: fused INT4 Triton kernel vs unfused INT4, FP16 torch, torch INT4 reference.
+"""Benchmark one MoE layer's routed experts: fused and decode INT4 Triton kernels vs unfused INT4, FP16, torch INT4.
 
     python scripts/bench_kernel.py --out DIR            # CUDA, fp16, the three real shapes, T in {1,4,16,64,128}
     python scripts/bench_kernel.py --out DIR --smoke    # CPU dry run of the script through the Triton interpreter
@@ -197,14 +197,16 @@ def print_ratios(rows: list[dict]) -> None:
     """Speed-ups of the fused kernel per case: unfused/fused, fp16/fused, reference/fused (>1: fused faster)."""
     ms = {(r["model"], r["tokens"], r["system"]): r["median_ms"] for r in rows}
     print(f"\n{'model':18s} {'T':>4s} {'fused ms':>9s} {'unfused/fused':>14s} {'fp16/fused':>11s} {'ref/fused':>10s} "
-          f"{'fp16/fused_graph':>15s}")
+          f"{'fp16/fused_graph':>15s} {'fused/decode (graph)':>20s}")
     for model, tokens in dict.fromkeys((r["model"], r["tokens"]) for r in rows):
         fused = ms[(model, tokens, "fused_int4")]
         ratio = lambda s: ms[(model, tokens, s)] / fused  # noqa: E731
         graph = ms.get((model, tokens, "fused_int4_graph"))
         graph_text = f"{ms[(model, tokens, 'fp16_expert_wise')] / graph:15.2f}" if graph else f"{'-':>15s}"
+        decode = ms.get((model, tokens, "decode_int4_graph"))
+        decode_text = f"{graph / decode:20.2f}" if graph and decode else f"{'-':>20s}"
         print(f"{model:18s} {tokens:4d} {fused:9.4f} {ratio('unfused_int4'):14.2f} "
-              f"{ratio('fp16_expert_wise'):11.2f} {ratio('torch_int4_reference'):10.2f} {graph_text}")
+              f"{ratio('fp16_expert_wise'):11.2f} {ratio('torch_int4_reference'):10.2f} {graph_text} {decode_text}")
 
 
 def write_csv(rows: list[dict], out_dir: Path) -> Path:
