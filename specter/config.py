@@ -50,6 +50,9 @@ class SpecterConfig:
     draft_compile: torch.compile the draft step before capturing it (fused kernels for the dense part of
       each layer; compiling takes tens of seconds at the first request of each static cache shape, and a
       failure falls back to the plain step: draft_graph then says "on, not compiled: why").
+    draft_decode_pairs: routed (token, slot) pairs of a draft call up to which its INT4 experts run through
+      the GEMV decode kernel (specter.kernels.int4_decode; a draft step routes k pairs per request), the
+      tiled fused kernel beyond; 0: always the tiled kernel (the ablation). CUDA only.
     residual_transfer: expert loads move the lossless residual of each 16-bit expert against the draft's
       INT4 codes already on the GPU (about 0.55x of the bytes in bf16, 0.7x in fp16) and a GPU kernel
       rebuilds the exact weights into the slot (specter.offload.residual_store).
@@ -89,6 +92,7 @@ class SpecterConfig:
     spare_rows: int = 4
     cuda_graph: bool = True
     draft_compile: bool = False
+    draft_decode_pairs: int = 48
     residual_transfer: bool = False
     host_experts: bool = False
     host_expert_threads: int = 0
@@ -119,6 +123,7 @@ class SpecterConfig:
         if type(self.copy_streams) is not int or self.copy_streams not in (1, 2):
             raise SpecterError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         _integer(self, "spare_rows", 0)
+        _integer(self, "draft_decode_pairs", 0)
         _integer(self, "residual_decode_programs", 0)
         _integer(self, "residual_decode_group", 1)
         _integer(self, "host_expert_threads", 0)

@@ -176,7 +176,9 @@ class SpecterEngine:
         offloaded, its cache and residency manager (offload.runtime.serving)."""
         config = self.offload_config
         offload = nullcontext() if config is None else serving(self.model, config, self.verify_workspace)
-        with attributes_set(self.model.experts, draft_workspace=self.draft_workspace), offload as session:
+        experts_hooks = attributes_set(self.model.experts, draft_workspace=self.draft_workspace,
+                                       draft_decode_pairs=self.config.draft_decode_pairs)
+        with experts_hooks, offload as session:
             self.session = session
             try:
                 yield

@@ -42,6 +42,7 @@ class HybridExperts(nn.Module):
         # The fused draft kernel's buffers (None: its own per call). An engine installs its own on every
         # layer for the duration of a call: a draft graph it captured points into them.
         self.draft_workspace: MoEWorkspace | None = None
+        self.draft_decode_pairs = DECODE_MAX_PAIRS  # up to this many routed pairs: the GEMV decode kernel
 
     @classmethod
     def from_hf(cls, hf_experts: nn.Module, moe_layer: int) -> HybridExperts:
@@ -85,12 +86,12 @@ class HybridExperts(nn.Module):
                                self.act_fn)
 
     def draft_experts(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """INT4 routed experts: on CUDA the Triton GEMV kernels for a few routed pairs (a draft step), the
-        tiled fused kernel for more; the torch reference elsewhere."""
-        if hidden.is_cuda and TRITON_AVAILABLE and top_k_index.numel() <= DECODE_MAX_PAIRS:
+        """INT4 routed experts through the kernel `draft_kernel` picks."""
+        kernel = draft_kernel(hidden.is_cuda and TRITON_AVAILABLE, top_k_index.numel(), self.draft_decode_pairs)
+        if kernel == "decode":
             return int4_moe_decode(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
                                    self.act_fn, workspace=self.draft_workspace)
-        if hidden.is_cuda and TRITON_AVAILABLE:
+        if kernel == "tiled":
             return fused_int4_moe(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down,
                                   self.act_fn, workspace=self.draft_workspace)
         return int4_moe_reference(hidden, top_k_index, top_k_weights, self.draft_gate_up, self.draft_down, self.act_fn)
@@ -98,3 +99,11 @@ class HybridExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"moe_layer={self.moe_layer}, experts={self.num_experts}, hidden={self.hidden_dim}, "
                 f"intermediate={self.intermediate_dim}, mode={self.mode}")
+
+
+def draft_kernel(triton_on_cuda: bool, pairs: int, decode_pairs: int) -> str:
+    """The draft's INT4 expert kernel for `pairs` routed (token, slot) pairs: "decode" (Triton GEMV) up to
+    `decode_pairs`, "tiled" (the fused Triton kernel) beyond, "reference" (torch) without Triton on CUDA."""
+    if not triton_on_cuda:
+        return "reference"
+    return "decode" if pairs <= decode_pairs else "tiled"
