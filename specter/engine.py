@@ -15,6 +15,7 @@ from specter.kernels.moe_align import MoEWorkspace
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT
+from specter.offload.draft_ahead import AheadWindow, DraftAhead, draft_ahead_problem
 from specter.offload.draft_graph import DraftGraphCache
 from specter.offload.residual_store import residual_dtype_problem
 from specter.offload.runtime import OffloadConfig, serving
@@ -56,6 +57,8 @@ class SpecterEngine:
         self.unavailable = residual_transfer_problem(self.offload_config, model.dtype)
         self.planner = NoPrefetch() if self.unavailable else self._planner()
         self.session = None  # the OffloadSession of the running call
+        self.ahead_problem = draft_ahead_problem(self.config, model) if self.config.draft_ahead else "off"
+        self.ahead = None if self.ahead_problem else DraftAhead(model, self.elb, self.config.draft_compile)
         self.accounting = WindowAccounting()
 
     def available(self) -> tuple[bool, str]:
@@ -82,12 +85,17 @@ class SpecterEngine:
         state = StateManager(self.model, input_ids, self._static_cache(input_ids.shape[1] + max_new_tokens))
         first = int(next_token(state.prefill(), self.config, self.generator)[0])
         self.graphs.capture(None, state.cache, state.kv_length)
+        if self.ahead is not None:
+            self.ahead.begin_request(state.cache, input_ids.shape[1] + max_new_tokens + 2 * self.config.k + 4,
+                                     state.kv_length)
         state.commit([first], kv_keep=state.kv_length)
         metrics.commit(1)
         self.end_prefill()
+        ahead = None
         while len(state.generated) < max_new_tokens and not _ended(state.generated, eos_token_id):
             k = state.window(min(self.config.k, max_new_tokens - len(state.generated) - 1))
-            new_tokens, accepted, plan = self.speculate(state, k, metrics)
+            next_k = min(self.config.k, max_new_tokens - len(state.generated) - k - 2)  # after a whole window
+            new_tokens, accepted, plan, ahead = self.speculate(state, k, metrics, ahead, next_k)
             state.commit(new_tokens, kv_keep=state.kv_length + state.uncached_length + accepted)
             metrics.commit(len(new_tokens))
             metrics.window(k, accepted)
@@ -95,19 +103,35 @@ class SpecterEngine:
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)
         return GenerationResult(tokens, self.stats(metrics))
 
-    def speculate(self, state: StateManager, k: int,
-                  metrics: DecodeMetrics) -> tuple[list[int], int, WindowPlan | None]:
-        """One iteration: draft k tokens, verify k + 1 positions; (tokens to commit, n accepted, the window's plan)."""
+    def speculate(self, state: StateManager, k: int, metrics: DecodeMetrics, ahead: AheadWindow | None = None,
+                  next_k: int = 0) -> tuple[list[int], int, WindowPlan | None, AheadWindow | None]:
+        """One iteration: draft k tokens (or take `ahead`'s, drafted during the previous verify pass), verify
+        k + 1 positions; (tokens to commit, n accepted, the window's plan, the next window's drafts if the
+        draft-ahead made them and they are usable)."""
         self.begin_window()
         metrics.begin("draft")
-        drafts, draft_probs, plan = self.draft(state, k)
+        drafted_ahead = ahead is not None and ahead.k == k
+        if ahead is not None and not drafted_ahead:
+            self.elb.clear()  # its routing counts are not this window's
+        if drafted_ahead:
+            drafts, draft_probs, plan = ahead.tokens, None, self.plan_ahead_window(k)
+        else:
+            drafts, draft_probs, plan = self.draft(state, k)
         metrics.end("draft")
         metrics.begin("verify")
+        launched = None if self.ahead is None else self.ahead.launch(state, drafts, drafted_ahead, next_k)
         with self.verifying(plan):
             accepted, new_tokens = verify_and_accept(self.model, state, drafts, draft_probs, self.config,
                                                      self.generator)
+        usable = None if self.ahead is None else self.ahead.collect(launched, k, accepted, new_tokens)
         metrics.end("verify")
-        return new_tokens, accepted, plan
+        return new_tokens, accepted, plan, usable
+
+    def plan_ahead_window(self, k: int) -> WindowPlan | None:
+        """A window whose drafts were made ahead: its routing is already in the counters, so the planner
+        closes it at once (no draft steps left to hide prefetches behind)."""
+        self.planner.begin_window(k)
+        return self.planner.end_window() if k else None
 
     def draft(self, state: StateManager, k: int) -> tuple[torch.Tensor, torch.Tensor | None, WindowPlan | None]:
         """k draft tokens [k] (and their distributions [k, V] when sampling; tokens stay on the device) and
@@ -143,6 +167,8 @@ class SpecterEngine:
             self.session.reset()
         self.planner.begin_request(None if self.session is None else self.session.cache)
         self.elb.clear()
+        if self.ahead is not None:
+            self.ahead.reset()
         self.accounting = WindowAccounting(self.session)
         self.generator = seeded_generator(self.config, self.model.device)
 
@@ -168,6 +194,7 @@ class SpecterEngine:
         """The request's stats (`metrics`: its decode metrics, or a batch's first request's)."""
         stats = self.accounting.stats(metrics, self.planner.traces, copy_idle=True)
         stats["draft_graph"] = self.graphs.status(None)
+        stats.update({"draft_ahead": self.ahead_problem} if self.ahead is None else self.ahead.stats())
         return stats
 
     @contextmanager

@@ -214,6 +214,21 @@ def test_a_compiled_draft_step_is_captured_and_stays_lossless(name):
     assert first.stats["acceptance_rate"] > 0.5
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen"])
+def test_draft_ahead_on_its_side_stream_stays_lossless(name):
+    """draft_ahead: the next window drafted on a side stream (its own static cache and captured step) while
+    the offloaded verify pass runs; output equals target-only's and windows take the drafts made ahead."""
+    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+    ids = prompt()
+    reference = TargetOnly(model).generate(ids, 40).token_ids
+    config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, draft_ahead=True)
+    engine = specter.SpecterEngine(model, config)
+    first, second = engine.generate(ids, 40), engine.generate(ids, 40)
+    assert first.stats["draft_graph"] == "on" and first.stats["draft_ahead"] == "on"
+    assert first.token_ids == second.token_ids == reference
+    assert second.stats["draft_ahead_windows"] > 0
+
+
 def test_a_longrope_model_drafts_eagerly_and_leaves_the_cuda_generator_usable():
     """Phi's longrope syncs in every step, so its draft step is not captured; a failed capture used to
     leave the CUDA generator unusable for the rest of the process."""

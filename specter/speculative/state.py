@@ -24,6 +24,26 @@ def crop_cache(cache, keep: int) -> None:
         cache.crop(-excess)
 
 
+def copy_rows(dst, src, rows: int, length: int) -> None:
+    """`dst` holds `src`'s first `rows` KV positions, then its own positions up to `length` (two caches of one
+    model, both static or both dynamic; no host sync)."""
+    for dst_layer, src_layer in zip(dst.layers, src.layers):
+        if not src_layer.is_initialized:
+            continue
+        if isinstance(dst, StaticCache):
+            if dst_layer.is_initialized:
+                dst_layer.keys[:, :, :rows].copy_(src_layer.keys[:, :, :rows])
+                dst_layer.values[:, :, :rows].copy_(src_layer.values[:, :, :rows])
+                dst_layer.cumulative_length.fill_(length)
+            continue
+        if not dst_layer.is_initialized:
+            dst_layer.lazy_initialization(src_layer.keys, src_layer.values)
+        keep = dst_layer.get_seq_length() >= length > rows  # its own rows past the copied ones
+        keys, values = src_layer.keys[:, :, :rows], src_layer.values[:, :, :rows]
+        dst_layer.keys = torch.cat([keys, dst_layer.keys[:, :, rows:length]], dim=-2) if keep else keys.clone()
+        dst_layer.values = torch.cat([values, dst_layer.values[:, :, rows:length]], dim=-2) if keep else values.clone()
+
+
 def rope_switch(config) -> int | None:
     """The first position a longrope model (Phi-3.5-MoE) computes with its long factors, else None.
 

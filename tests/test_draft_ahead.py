@@ -1,0 +1,71 @@
+"""Draft-ahead: the next window drafted during the verify pass; lossless, used when the window is accepted
+whole with the guessed bonus token, off where it cannot apply, and the KV rows it copies."""
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import specter
+from specter.models.hybrid_experts import TARGET
+from specter.speculative.state import copy_rows
+from tests.conftest import TINY_MODELS, hf_greedy, prompt, tiny_model
+
+NEW = 40
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize("tiny_name", [name for name in TINY_MODELS if name != "tiny-phi"])  # phi: longrope
+def test_draft_ahead_is_lossless_and_used(tiny_name, slots):
+    model = specter.load_model(tiny_name, device="cpu", dtype=torch.float32) if slots else tiny_model(tiny_name)
+    config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True)
+    engine = specter.SpecterEngine(model, config)
+    for text in ("Natalia sold clips", "def f(x):"):
+        out = engine.generate(prompt(text), NEW)
+        assert out.token_ids == hf_greedy(tiny_name, prompt(text), NEW), (tiny_name, slots, text)
+        assert out.stats["draft_ahead"] == "on"
+        assert 0 < out.stats["draft_ahead_windows"] <= out.stats["draft_ahead_launches"]
+
+
+def test_windows_drafted_ahead_keep_prefetching_from_their_counts():
+    """An offloaded run with draft-ahead: every window still has a plan with the draft's routing."""
+    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.float32)
+    config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, draft_ahead=True)
+    out = specter.SpecterEngine(model, config).generate(prompt(), NEW)
+    assert out.token_ids == hf_greedy("tiny-qwen", prompt(), NEW)
+    assert out.stats["draft_ahead_windows"] > 0
+    assert len(out.stats["prefetch_trace"]) == out.stats["iterations"]
+
+
+@pytest.mark.parametrize("name,config,reason", [
+    ("tiny", dict(temperature=0.7), "sampling"), ("tiny-phi", {}, "longrope"), ("tiny", dict(draft_ahead=False), "off")])
+def test_draft_ahead_is_off_where_it_cannot_apply(name, config, reason):
+    settings = {"k": 3, "draft_ahead": True, **config}
+    out = specter.SpecterEngine(tiny_model(name), specter.SpecterConfig(**settings)).generate(prompt(), 8)
+    assert out.stats["draft_ahead"].startswith(reason)
+    assert "draft_ahead_launches" not in out.stats
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_copy_rows_takes_the_committed_rows_and_keeps_its_own(static):
+    model = tiny_model("tiny")
+    make = (lambda: StaticCache(config=model.hf.config, max_cache_len=16)) if static else \
+        (lambda: DynamicCache(config=model.hf.config))
+    src, dst = make(), make()
+    with torch.inference_mode():
+        model.forward(prompt()[:, :6], src, TARGET)
+        model.forward(prompt()[:, 1:9], dst, TARGET)  # other rows in dst
+        before = [layer.keys[:, :, :8].clone() for layer in dst.layers]
+        copy_rows(dst, src, 4, 7)
+    for layer, src_layer, old in zip(dst.layers, src.layers, before):
+        assert torch.equal(layer.keys[:, :, :4], src_layer.keys[:, :, :4])
+        assert torch.equal(layer.keys[:, :, 4:7], old[:, :, 4:7])  # its own rows past the copied ones
+        assert torch.equal(layer.values[:, :, :4], src_layer.values[:, :, :4])
+        length = int(layer.cumulative_length) if static else layer.get_seq_length()
+        assert length == 7
+
+
+def test_a_batch_does_not_draft_ahead_and_says_so():
+    engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=3, draft_ahead=True))
+    results = engine.generate([prompt()[0].tolist(), prompt("def f(x):")[0].tolist()], 8)
+    assert all(r.stats["draft_ahead"].startswith("off: batched") for r in results)
+    single = engine.generate(prompt(), 8)  # a single request after the batch drafts ahead again
+    assert single.stats["draft_ahead"] == "on" and single.stats["draft_ahead_launches"] > 0
