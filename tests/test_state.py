@@ -26,7 +26,7 @@ def test_kv_after_speculation_matches_fresh_forward(tiny_name):
     metrics = DecodeMetrics(model.device)
     rejected_once = False
     for _ in range(6):
-        tokens, accepted, _ = engine.speculate(state, 5, metrics)
+        tokens, accepted, _, _ = engine.speculate(state, 5, metrics)
         rejected_once |= accepted < 5
         state.commit(tokens, kv_keep=state.kv_length + 1 + accepted)
         assert state.cache.get_seq_length() == len(state.tokens) - 1  # all but the one uncached token
