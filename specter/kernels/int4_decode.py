@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specter.kernels.int4_moe import TRITON_AVAILABLE, is_silu
+from specter.kernels.int4_moe import TRITON_AVAILABLE, check_int4_moe_args
 from specter.kernels.moe_align import MoEWorkspace, compiled_launch, scratch
-from specter.quant.int4 import PACK, Int4Linear
+from specter.quant.int4 import Int4Linear
 
 if TRITON_AVAILABLE:
     import triton
@@ -97,30 +97,13 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + pair * stride_om + offs_n, acc * weight, mask=n_mask)
 
 
-def _check(hidden, top_k_index, gate_up: Int4Linear, down: Int4Linear, act, cfg: DecodeConfig) -> None:
-    if not TRITON_AVAILABLE:
-        raise RuntimeError("specter.kernels.int4_decode needs triton (pip install triton); use int4_moe_reference")
-    if not is_silu(act):
-        raise ValueError(f"int4_moe_decode implements SiLU-gated experts only, got act={act!r}")
-    h, inter = hidden.shape[-1], down.in_features
-    if gate_up.in_features != h or gate_up.out_features != 2 * inter or down.out_features != h:
-        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, gate_up {tuple(gate_up.qweight.shape)}, "
-                         f"down {tuple(down.qweight.shape)}")
-    if top_k_index.dim() != 2 or hidden.dim() != 2:
-        raise ValueError("expected hidden [T, H] and top_k_index [T, k]")
-    for packed in (gate_up, down):
-        if packed.group_size % cfg.block_k or packed.in_features % cfg.block_k or cfg.block_k % (PACK * 16):
-            raise ValueError(f"block_k={cfg.block_k} must divide the group {packed.group_size} and the input "
-                             f"dim {packed.in_features}, and be a multiple of 128")
-
-
 def int4_moe_decode(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     gate_up: Int4Linear, down: Int4Linear, act: Callable | None = None,
                     workspace: MoEWorkspace | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
     """Routed experts [T, H] with INT4 weights, one GEMV program row per (token, slot) pair: the result of
     `int4_moe_reference` up to summation order. Two launches and a sum over k; no host synchronisation."""
     cfg = config or DEFAULT_DECODE_CONFIG
-    _check(hidden, top_k_index, gate_up, down, act, cfg)
+    check_int4_moe_args("int4_moe_decode", hidden, top_k_index, gate_up, down, act, cfg.block_k)
     if top_k_index.numel() == 0:
         return torch.zeros_like(hidden)
     hidden = hidden.contiguous()  # [T, H]

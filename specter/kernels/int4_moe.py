@@ -126,11 +126,14 @@ def is_silu(act: Callable | None) -> bool:
     return "silu" in type(act).__name__.lower()  # transformers' SiLUActivation
 
 
-def _check(hidden, top_k_index, gate_up: Int4Linear, down: Int4Linear, act, cfg: KernelConfig) -> None:
+def check_int4_moe_args(kernel: str, hidden, top_k_index, gate_up: Int4Linear, down: Int4Linear, act,
+                        block_k: int) -> None:
+    """The arguments every INT4 MoE Triton kernel (`kernel` names it in the errors) accepts: Triton, SiLU
+    experts, matching shapes, and K steps of `block_k` that divide the group and the input dims."""
     if not TRITON_AVAILABLE:
-        raise RuntimeError("specter.kernels.int4_moe needs triton (pip install triton); use int4_moe_reference")
+        raise RuntimeError(f"{kernel} needs triton (pip install triton); use int4_moe_reference")
     if not is_silu(act):
-        raise ValueError(f"fused_int4_moe implements SiLU-gated experts only, got act={act!r}")
+        raise ValueError(f"{kernel} implements SiLU-gated experts only, got act={act!r}")
     h = hidden.shape[-1]
     e, inter = gate_up.qweight.shape[0], down.in_features
     if gate_up.in_features != h or gate_up.out_features != 2 * inter or down.out_features != h:
@@ -139,8 +142,8 @@ def _check(hidden, top_k_index, gate_up: Int4Linear, down: Int4Linear, act, cfg:
     if down.qweight.shape[0] != e or top_k_index.dim() != 2 or hidden.dim() != 2:
         raise ValueError("expected hidden [T, H], top_k_index [T, k] and weights stacked over the same experts")
     for packed in (gate_up, down):
-        if packed.group_size % cfg.block_k or packed.in_features % cfg.block_k or cfg.block_k % (PACK * 16):
-            raise ValueError(f"block_k={cfg.block_k} must divide the group {packed.group_size} and the input "
+        if packed.group_size % block_k or packed.in_features % block_k or block_k % (PACK * 16):
+            raise ValueError(f"block_k={block_k} must divide the group {packed.group_size} and the input "
                              f"dim {packed.in_features}, and be a multiple of 128")
 
 
@@ -211,7 +214,7 @@ def fused_int4_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
     No host synchronisation. `workspace` keeps the intermediate buffers between calls.
     """
     cfg = config or DEFAULT_CONFIG
-    _check(hidden, top_k_index, gate_up, down, act, cfg)
+    check_int4_moe_args("fused_int4_moe", hidden, top_k_index, gate_up, down, act, cfg.block_k)
     if top_k_index.numel() == 0:
         return torch.zeros_like(hidden)
     c = _prepare(hidden, top_k_index, top_k_weights, gate_up, down, workspace, cfg)
@@ -229,7 +232,7 @@ def unfused_int4_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     The comparison point for the fused launch; reads the per-expert counts to the host (one sync).
     """
     cfg = config or DEFAULT_CONFIG
-    _check(hidden, top_k_index, gate_up, down, act, cfg)
+    check_int4_moe_args("unfused_int4_moe", hidden, top_k_index, gate_up, down, act, cfg.block_k)
     if top_k_index.numel() == 0:
         return torch.zeros_like(hidden)
     c = _prepare(hidden, top_k_index, top_k_weights, gate_up, down, workspace, cfg)
