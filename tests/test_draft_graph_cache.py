@@ -65,3 +65,20 @@ def test_the_cache_passes_compile_on_and_a_cpu_still_drafts_eagerly():
     static = cache.static_cache(None, 40, min_length=64)
     assert cache.compiled and cache.capture(None, static, 0) is None
     assert cache.status(None) == "failed: no CUDA device"
+
+
+def test_the_compiled_step_runs_with_room_for_one_entry_per_layer_and_cache(monkeypatch):
+    """The host tap's graph break makes every decoder layer a frame of its own (specialised on its index):
+    the compiled step raises dynamo's recompile limit (8) while it runs, or layers past the eighth stay eager."""
+    seen = []
+
+    def fake_compile(fn, dynamic):
+        return lambda *args: seen.append(torch._dynamo.config.recompile_limit) or fn(*args)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = tiny_model("tiny")
+    step = draft_step_fn(model, compiled=True)
+    with torch.inference_mode():
+        token = step(torch.tensor([[7]]), new_static_cache(model, 8), None, None)
+    assert token.shape == (1, 1)
+    assert seen == [max(8, 8 * model.hf.config.num_hidden_layers)] and torch._dynamo.config.recompile_limit == 8

@@ -19,7 +19,23 @@ def draft_step_fn(model, compiled: bool = False):
     def step(tokens, cache, mask, positions):
         logits = model.forward(tokens, cache, DRAFT, mask, positions)[:, -1]  # [B, V]
         return logits.argmax(dim=-1, keepdim=True)
-    return torch.compile(step, dynamic=False) if compiled else step
+    if not compiled:
+        return step
+    compiled_step = torch.compile(step, dynamic=False)
+    limit = recompile_limit(model)
+
+    def step_within_limit(tokens, cache, mask, positions):
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=4 * limit):
+            return compiled_step(tokens, cache, mask, positions)
+    return step_within_limit
+
+
+def recompile_limit(model) -> int:
+    """Compiled entries allowed per code object while compiling the draft step. The host tap's graph break
+    (one MoE layer) leaves every decoder layer's forward a frame of its own, specialised on its layer index:
+    one entry per layer and cache (the request's and draft-ahead's), where dynamo's default of 8 would run
+    every layer past the eighth eagerly (a cache initialised or not, and a replaced cache, add entries)."""
+    return max(int(torch._dynamo.config.recompile_limit), 8 * int(model.hf.config.num_hidden_layers))
 
 
 class DraftStepGraph:
