@@ -15,9 +15,9 @@ from specter.quant.int4 import quantize_rtn  # noqa: E402
 SILU = torch.nn.functional.silu
 
 
-def test_interpreter_cases_in_subprocess():
+def test_interpreter_cases_in_subprocess(request):
     """In a compiled-mode process (CUDA machine), the CPU interpreter cases run in a fresh interpreter."""
-    run_interpreter_cases(__file__)
+    run_interpreter_cases(__file__, request)
 
 
 def make_routing(tokens: int, experts: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:

@@ -15,9 +15,9 @@ from tests.test_kernel_int4 import GPU_SHAPES, make_case, rel_err  # noqa: E402
 SILU = torch.nn.functional.silu
 
 
-def test_interpreter_cases_in_subprocess():
+def test_interpreter_cases_in_subprocess(request):
     """In a compiled-mode process (CUDA machine), the CPU interpreter cases run in a fresh interpreter."""
-    run_interpreter_cases(__file__)
+    run_interpreter_cases(__file__, request)
 
 
 # (T, E, k, H, I, routing): one token (a draft step) and a few (a small batch), 1 or 2 groups per dim,

@@ -18,9 +18,9 @@ SILU = torch.nn.functional.silu
 SENTINEL = 123.0
 
 
-def test_interpreter_cases_in_subprocess():
+def test_interpreter_cases_in_subprocess(request):
     """In a compiled-mode process (CUDA machine, or triton already imported), the CPU cases run in a fresh one."""
-    run_interpreter_cases(__file__)
+    run_interpreter_cases(__file__, request)
 
 
 def make_store(experts, hidden, inter, gen, dtype=torch.float32, device="cpu"):
