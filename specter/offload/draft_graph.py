@@ -15,7 +15,9 @@ WARMUP_STEPS = 2
 def draft_step_fn(model, compiled: bool = False):
     """`(tokens [B, 1], cache, mask, positions) -> argmax(draft logits)` [B, 1]; with `compiled`, the same
     function through torch.compile (static shapes, so it compiles once per cache and batch shape): fewer,
-    fused kernels for the dense part of each layer (norms, rotary, casts, copies)."""
+    fused kernels for the dense part of each layer (norms, rotary, casts, copies). The fused kernels round
+    to the model's dtype where eager rounds (`emulate_precision_casts`), so the compiled step drafts the
+    eager step's tokens instead of flipping near-ties."""
     def step(tokens, cache, mask, positions):
         logits = model.forward(tokens, cache, DRAFT, mask, positions)[:, -1]  # [B, V]
         return logits.argmax(dim=-1, keepdim=True)
@@ -25,7 +27,8 @@ def draft_step_fn(model, compiled: bool = False):
     limit = recompile_limit(model)
 
     def step_within_limit(tokens, cache, mask, positions):
-        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=4 * limit):
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=4 * limit), \
+                torch._inductor.config.patch(emulate_precision_casts=True):
             return compiled_step(tokens, cache, mask, positions)
     return step_within_limit
 
