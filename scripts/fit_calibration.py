@@ -73,8 +73,7 @@ def profile_from(x: np.ndarray) -> RoutingProfile:
 def fit_factors(target: dict, experts: int, top_k: int, hidden: int) -> RoutingProfile:
     """Factor weights and run lengths whose simulated curves match `target` (grid, then Nelder-Mead)."""
     def loss(x):
-        largest, mean = calibration_error(simulated_curves(profile_from(x), experts, top_k, hidden), target)
-        return mean + 2.0 * max(0.0, largest - 0.025)
+        return fit_loss(simulated_curves(profile_from(x), experts, top_k, hidden), target)
 
     grid = [np.array([f, s, st, math.log(lf - 1), math.log(ls - 1)]) for f in (0.3, 0.6, 1.0)
             for s in (0.0, 0.4, 0.8) for st in (0.0, 0.3, 0.6) for lf in (1.5, 3.0, 6.0) for ls in (15.0, 50.0)]
@@ -150,9 +149,7 @@ def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dat
     """Nelder-Mead on the built model's own measured curves (small models: a build takes seconds)."""
     def loss(x):
         probe = dataclasses.replace(profile_from(x), accept_gain=1.0, embed_scale=profile.embed_scale)
-        curves = probe_build(spec, layers, probe, per_dataset, seed, "cpu", torch.float32)[3]
-        largest, mean = calibration_error(curves, target)
-        return mean + 2.0 * max(0.0, largest - 0.025)
+        return fit_loss(probe_build(spec, layers, probe, per_dataset, seed, "cpu", torch.float32)[3], target)
 
     (fast, fast_run), (slow, slow_run), (static, _) = profile.factors
     start = np.array([fast, slow, static, math.log(fast_run - 1), math.log(slow_run - 1)])
@@ -177,10 +174,41 @@ def check_in(dtype: torch.dtype, spec, profile: RoutingProfile, per_dataset: int
             "token_agreement": round(float(np.mean(agree)), 4)}
 
 
+def fit_loss(curves: dict, target: dict) -> float:
+    """What the fits minimise: the mean error, plus a penalty on the largest past 0.025."""
+    largest, mean = calibration_error(curves, target)
+    return mean + 2.0 * max(0.0, largest - 0.025)
+
+
+def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, rounds: int, per_dataset: int, seed: int,
+                      device: str, dtype: torch.dtype):
+    """(profile, probe build) closest to `target` among `profile` and `rounds` corrections of it: each
+    refits the simulation to the target shifted by the last build's measured offset from the simulation."""
+    config = hf_config(spec)
+    best = None  # (loss, profile, (model, prompts, walks, curves))
+    for round_ in range(rounds + 1):
+        build = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
+        largest, mean = calibration_error(build[3], target)
+        print(f"  {spec.name} round {round_}: build max error {largest:.3f}, mean {mean:.3f}", flush=True)
+        if best is None or fit_loss(build[3], target) < best[0]:
+            best = (fit_loss(build[3], target), profile, build)
+        if round_ == rounds:
+            break
+        curves, build = build[3], None  # the model is freed unless it is the best so far
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        simulated = simulated_curves(profile, spec.num_experts, config.num_experts_per_tok, config.hidden_size)
+        corrected = {p: v - (curves[p] - simulated[p]) for p, v in target.items()}  # the build's own offset
+        profile = dataclasses.replace(fit_factors(corrected, spec.num_experts, config.num_experts_per_tok,
+                                                  config.hidden_size), accept_gain=1.0, embed_scale=profile.embed_scale)
+    return best[1], best[2]
+
+
 def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, direct: int = 0) -> dict:
-    """Fit factors on the simulation, correct once by the build's measured offset (or, with `direct`
-    evaluations, refine on the build itself), then fit the gain."""
+              dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1) -> dict:
+    """Fit factors on the simulation, correct them `rounds` times by the build's measured offset from the
+    simulation (keeping the build closest to the target), optionally refine on the build itself (`direct`
+    evaluations), then fit the gain."""
     spec = get_spec(name)
     real = REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])
     target = {p: v for p, v in reference_curves(real).items() if p in FIT_POINTS}
@@ -188,17 +216,12 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
     experts, top_k, hidden = spec.num_experts, config.num_experts_per_tok, config.hidden_size
     profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
                                   embed_scale=embed_scale)
-    model, _, _, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    simulated = simulated_curves(profile, experts, top_k, hidden)
-    corrected = {p: v - (curves[p] - simulated[p]) for p, v in target.items()}  # the build's own offset
-    profile = dataclasses.replace(fit_factors(corrected, experts, top_k, hidden), accept_gain=1.0,
-                                  embed_scale=embed_scale)
+    profile, (model, prompts, walks, curves) = correct_by_builds(spec, layers, profile, target, rounds, per_dataset,
+                                                                 seed, device, dtype)
     if direct:
+        del model
         profile = refine_on_build(spec, layers, profile, target, per_dataset, seed, direct)
-    model, prompts, walks, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
+        model, prompts, walks, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
     ratios = np.concatenate([rejection_ratios(model, p, w, seed) for p, w in zip(prompts, walks)])
     n_moe = moe_layer_count(hf_config(model.spec))
     accept_gain = fit_gain(ratios, TARGET_ACCEPTANCE.get(spec.name, 0.965)) * math.sqrt(n_moe)
@@ -238,6 +261,8 @@ def main(argv=None) -> None:
                              "Specter's acceptance and agreement with the greedy target there")
     parser.add_argument("--direct", type=int, default=0,
                         help="then refine the factors on this many CPU builds (tiny models: seconds each)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="corrections of the simulated fit by the build's measured offset (a build each)")
     parser.add_argument("--check-only", action="store_true",
                         help="fit nothing: measure the registry's committed profile (and --check-dtype)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
@@ -257,7 +282,7 @@ def main(argv=None) -> None:
             result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype))
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
-                               args.direct)
+                               args.direct, args.rounds)
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device)

@@ -1,0 +1,68 @@
+"""scripts/fit_calibration.py's correction rounds: the build's offset from the simulation corrects the fit,
+and the build closest to the real row is kept (a fake build and simulation, so no model is built)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from specter.models.calibrated import RoutingProfile
+from specter.models.registry import get_spec
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fit_calibration.py"
+module_spec = importlib.util.spec_from_file_location("fit_calibration", SCRIPT)
+fit = importlib.util.module_from_spec(module_spec)
+module_spec.loader.exec_module(fit)
+
+TARGET = {("LRU", 0.5): 0.23, ("LRU", 1.0): 0.42, ("LRU", 2.0): 0.65, ("Belady", 1.0): 0.59}
+
+
+def profile_simulating(curves: dict) -> RoutingProfile:
+    """A stand-in profile whose simulated curves are `curves` (kept in its `target` field)."""
+    return RoutingProfile(factors=((1.0, 2.0),), token_weight=1.0, accept_gain=1.0, embed_scale=12.0,
+                          target=tuple(sorted(curves.items())))
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Fake builds: a build measures the simulated curves plus `offsets[i]` (i: the build's number); the
+    simulated fit is exact. Returns the list of measured curves, its `offsets` set by the test."""
+    measured_curves, offsets = [], []
+
+    def probe_build(spec, layers, profile, per_dataset, seed, device, dtype):
+        measured = {p: v + offsets[len(measured_curves)] for p, v in profile.target}
+        measured_curves.append(measured)
+        return "model", ["prompt"], [[1, 2, 3]], measured
+
+    monkeypatch.setattr(fit, "probe_build", probe_build)
+    monkeypatch.setattr(fit, "simulated_curves", lambda profile, *args: dict(profile.target))
+    monkeypatch.setattr(fit, "fit_factors", lambda target, *args: profile_simulating(target))
+    return measured_curves, offsets
+
+
+def correct(rounds: int):
+    return fit.correct_by_builds(get_spec("phi"), 1, profile_simulating(TARGET), TARGET, rounds, 1, 0, "cpu", None)
+
+
+@pytest.mark.parametrize("rounds, error", [(0, 0.05), (1, 0.0), (2, 0.0)])
+def test_a_steady_offset_is_corrected_in_one_round(builds, rounds, error):
+    builds[1].extend([0.05] * 3)
+    profile, (_, _, _, curves) = correct(rounds)
+    assert len(builds[0]) == rounds + 1
+    assert max(abs(curves[p] - v) for p, v in TARGET.items()) == pytest.approx(error)
+    if rounds:
+        assert dict(profile.target) == pytest.approx({p: v - 0.05 for p, v in TARGET.items()})
+
+
+def test_the_build_closest_to_the_target_is_kept(builds):
+    builds[1].extend([0.02, 0.09, 0.05])  # the corrections overshoot: round 0's build stays the best
+    profile, (_, _, _, curves) = correct(2)
+    assert len(builds[0]) == 3
+    assert dict(profile.target) == pytest.approx(TARGET)
+    assert curves == pytest.approx({p: v + 0.02 for p, v in TARGET.items()})
+
+
+def test_fit_loss_penalises_the_largest_error():
+    even = {p: v + 0.02 for p, v in TARGET.items()}
+    one_far = {p: v + (0.08 if p == ("LRU", 0.5) else 0.0) for p, v in TARGET.items()}  # same mean error
+    assert fit.fit_loss(even, TARGET) == pytest.approx(0.02)
+    assert fit.fit_loss(one_far, TARGET) > fit.fit_loss(even, TARGET) + 0.05
