@@ -181,31 +181,38 @@ def fit_loss(curves: dict, target: dict) -> float:
 
 
 def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, rounds: int, per_dataset: int, seed: int,
-                      device: str, dtype: torch.dtype):
+                      device: str, dtype: torch.dtype, step: float = 1.0):
     """(profile, probe build) closest to `target` among `profile` and `rounds` corrections of it: each
-    refits the simulation to the target shifted by the last build's measured offset from the simulation."""
+    refits the simulation to its last curves moved `step` times the last build's error (1: the target
+    shifted by the build's offset from the simulation; less damps a build that overreacts).
+    One build is alive at a time (a full-width build takes most of a small machine's memory): the best is
+    built again at the end unless it is the last."""
     config = hf_config(spec)
-    best = None  # (loss, profile, (model, prompts, walks, curves))
+    best = None  # (loss, round, profile)
     for round_ in range(rounds + 1):
         build = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
-        largest, mean = calibration_error(build[3], target)
+        curves = build[3]
+        largest, mean = calibration_error(curves, target)
         print(f"  {spec.name} round {round_}: build max error {largest:.3f}, mean {mean:.3f}", flush=True)
-        if best is None or fit_loss(build[3], target) < best[0]:
-            best = (fit_loss(build[3], target), profile, build)
+        if best is None or fit_loss(curves, target) <= best[0]:  # ties: the later build, still alive at the end
+            best = (fit_loss(curves, target), round_, profile)
         if round_ == rounds:
             break
-        curves, build = build[3], None  # the model is freed unless it is the best so far
+        build = None
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         simulated = simulated_curves(profile, spec.num_experts, config.num_experts_per_tok, config.hidden_size)
-        corrected = {p: v - (curves[p] - simulated[p]) for p, v in target.items()}  # the build's own offset
+        corrected = {p: simulated[p] + step * (v - curves[p]) for p, v in target.items()}
         profile = dataclasses.replace(fit_factors(corrected, spec.num_experts, config.num_experts_per_tok,
                                                   config.hidden_size), accept_gain=1.0, embed_scale=profile.embed_scale)
-    return best[1], best[2]
+    if best[1] != rounds:
+        build = None
+        build = probe_build(spec, layers, best[2], per_dataset, seed, device, dtype)
+    return best[2], build
 
 
 def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1) -> dict:
+              dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1, step: float = 1.0) -> dict:
     """Fit factors on the simulation, correct them `rounds` times by the build's measured offset from the
     simulation (keeping the build closest to the target), optionally refine on the build itself (`direct`
     evaluations), then fit the gain."""
@@ -217,7 +224,7 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
     profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
                                   embed_scale=embed_scale)
     profile, (model, prompts, walks, curves) = correct_by_builds(spec, layers, profile, target, rounds, per_dataset,
-                                                                 seed, device, dtype)
+                                                                 seed, device, dtype, step)
     if direct:
         del model
         profile = refine_on_build(spec, layers, profile, target, per_dataset, seed, direct)
@@ -263,6 +270,8 @@ def main(argv=None) -> None:
                         help="then refine the factors on this many CPU builds (tiny models: seconds each)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="corrections of the simulated fit by the build's measured offset (a build each)")
+    parser.add_argument("--step", type=float, default=1.0,
+                        help="share of the build's error each correction moves the simulated target by")
     parser.add_argument("--check-only", action="store_true",
                         help="fit nothing: measure the registry's committed profile (and --check-dtype)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
@@ -282,7 +291,7 @@ def main(argv=None) -> None:
             result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype))
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
-                               args.direct, args.rounds)
+                               args.direct, args.rounds, args.step)
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device)

@@ -39,8 +39,9 @@ def builds(monkeypatch):
     return measured_curves, offsets
 
 
-def correct(rounds: int):
-    return fit.correct_by_builds(get_spec("phi"), 1, profile_simulating(TARGET), TARGET, rounds, 1, 0, "cpu", None)
+def correct(rounds: int, step: float = 1.0):
+    return fit.correct_by_builds(get_spec("phi"), 1, profile_simulating(TARGET), TARGET, rounds, 1, 0, "cpu", None,
+                                 step)
 
 
 @pytest.mark.parametrize("rounds, error", [(0, 0.05), (1, 0.0), (2, 0.0)])
@@ -53,10 +54,17 @@ def test_a_steady_offset_is_corrected_in_one_round(builds, rounds, error):
         assert dict(profile.target) == pytest.approx({p: v - 0.05 for p, v in TARGET.items()})
 
 
+def test_a_damped_step_moves_part_of_the_way(builds):
+    builds[1].extend([0.05] * 3)
+    profile, (_, _, _, curves) = correct(2, step=0.5)
+    assert [max(abs(c[p] - v) for p, v in TARGET.items()) for c in builds[0]] == pytest.approx([0.05, 0.025, 0.0125])
+    assert dict(profile.target) == pytest.approx({p: v - 0.0375 for p, v in TARGET.items()})
+
+
 def test_the_build_closest_to_the_target_is_kept(builds):
-    builds[1].extend([0.02, 0.09, 0.05])  # the corrections overshoot: round 0's build stays the best
+    builds[1].extend([0.02, 0.09, 0.05, 0.02])  # the corrections overshoot: round 0's build stays the best
     profile, (_, _, _, curves) = correct(2)
-    assert len(builds[0]) == 3
+    assert len(builds[0]) == 4  # round 0's build is built again at the end (one build alive at a time)
     assert dict(profile.target) == pytest.approx(TARGET)
     assert curves == pytest.approx({p: v + 0.02 for p, v in TARGET.items()})
 
