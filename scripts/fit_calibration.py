@@ -194,8 +194,9 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
         curves = build[3]
         largest, mean = calibration_error(curves, target)
         print(f"  {spec.name} round {round_}: build max error {largest:.3f}, mean {mean:.3f}", flush=True)
-        if best is None or fit_loss(curves, target) <= best[0]:  # ties: the later build, still alive at the end
-            best = (fit_loss(curves, target), round_, profile)
+        loss = fit_loss(curves, target)
+        if best is None or loss <= best[0]:  # ties: the later build, still alive at the end
+            best = (loss, round_, profile)
         if round_ == rounds:
             break
         build = None
@@ -206,7 +207,7 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
         profile = dataclasses.replace(fit_factors(corrected, spec.num_experts, config.num_experts_per_tok,
                                                   config.hidden_size), accept_gain=1.0, embed_scale=profile.embed_scale)
     if best[1] != rounds:
-        build = None
+        build = None  # freed before the best is built again
         build = probe_build(spec, layers, best[2], per_dataset, seed, device, dtype)
     return best[2], build
 

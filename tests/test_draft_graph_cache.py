@@ -69,11 +69,16 @@ def test_the_cache_passes_compile_on_and_a_cpu_still_drafts_eagerly():
 
 def test_the_compiled_step_runs_with_room_for_one_entry_per_layer_and_cache(monkeypatch):
     """The host tap's graph break makes every decoder layer a frame of its own (specialised on its index):
-    the compiled step raises dynamo's recompile limit (8) while it runs, or layers past the eighth stay eager."""
-    seen = []
+    the compiled step raises dynamo's recompile limit (8) while it runs, or layers past the eighth stay eager;
+    and inductor rounds its fused kernels as eager rounds (emulate_precision_casts) only while it runs."""
+    seen, rounding = [], []
 
     def fake_compile(fn, dynamic):
-        return lambda *args: seen.append(torch._dynamo.config.recompile_limit) or fn(*args)
+        def run(*args):
+            seen.append(torch._dynamo.config.recompile_limit)
+            rounding.append(torch._inductor.config.emulate_precision_casts)
+            return fn(*args)
+        return run
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     model = tiny_model("tiny")
@@ -82,3 +87,4 @@ def test_the_compiled_step_runs_with_room_for_one_entry_per_layer_and_cache(monk
         token = step(torch.tensor([[7]]), new_static_cache(model, 8), None, None)
     assert token.shape == (1, 1)
     assert seen == [max(8, 8 * model.hf.config.num_hidden_layers)] and torch._dynamo.config.recompile_limit == 8
+    assert rounding == [True] and not torch._inductor.config.emulate_precision_casts

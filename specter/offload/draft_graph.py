@@ -16,8 +16,8 @@ def draft_step_fn(model, compiled: bool = False):
     """`(tokens [B, 1], cache, mask, positions) -> argmax(draft logits)` [B, 1]; with `compiled`, the same
     function through torch.compile (static shapes, so it compiles once per cache and batch shape): fewer,
     fused kernels for the dense part of each layer (norms, rotary, casts, copies). The fused kernels round
-    to the model's dtype where eager rounds (`emulate_precision_casts`), so the compiled step drafts the
-    eager step's tokens instead of flipping near-ties."""
+    to the model's dtype where eager rounds (`emulate_precision_casts`); their reductions may still sum in
+    another order, so near-ties of the draft's logits can flip."""
     def step(tokens, cache, mask, positions):
         logits = model.forward(tokens, cache, DRAFT, mask, positions)[:, -1]  # [B, V]
         return logits.argmax(dim=-1, keepdim=True)
