@@ -13,7 +13,7 @@ from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
 from specter.prefetch.lookahead import Ranking
 from specter.prefetch.planner import WindowPlan
-from specter.verify.residency import ResidencyManager, VerifyOptions
+from specter.verify.residency import ResidencyManager, VerifyOptions, wave_row_map
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 3, 8, 16, 8, 2
 
@@ -119,3 +119,8 @@ def test_wave_size_and_layers_ahead_are_options(wave, ahead):
     assert sorted(manager.loaded_ahead) == list(range(1, 1 + ahead))  # layers 1..ahead started their plans
     assert cache.counters.loads_ahead == 4 * ahead
     assert manager.plan is None  # the plan is the window's only
+
+
+def test_a_wave_row_map_holds_each_wave_expert_row_and_minus_one_elsewhere():
+    row_map = wave_row_map([(3, 0), (1, 5)], 6, torch.device("cpu"))
+    assert row_map.dtype == torch.long and row_map.tolist() == [-1, 5, -1, 0, -1, -1]

@@ -39,6 +39,16 @@ class VerifyOptions:
     host_threads: int = config_default("host_expert_threads")
 
 
+def wave_row_map(expert_rows: list[tuple[int, int]], num_experts: int, device: torch.device) -> torch.Tensor:
+    """[E] the pool row of each (expert, row) of a wave, -1 for every other expert, on `device` (copied from
+    pinned memory without the host waiting on CUDA)."""
+    row_map = [-1] * num_experts
+    for expert, row in expert_rows:
+        row_map[expert] = row
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(row_map, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=True)
+
+
 class LayerPass(NamedTuple):
     """One verify layer's inputs and outputs, shared by its waves."""
 
@@ -222,13 +232,11 @@ class ResidencyManager:
             return
         module, layer, cache, hidden = step.module, step.module.moe_layer, self.cache, step.hidden
         cache.streams.wait_all([cache.ready_event(layer, slot) for _, slot in wave])
-        row_map = [-1] * module.num_experts  # [E] expert -> its slot's pool row in this wave
-        for expert, slot in wave:
-            row_map[expert] = cache.row(layer, slot)
-        row_of_expert = torch.tensor(row_map, dtype=torch.long, pin_memory=hidden.is_cuda)  # pinned: async copy
+        row_of_expert = wave_row_map([(expert, cache.row(layer, slot)) for expert, slot in wave],
+                                     module.num_experts, hidden.device)
         run = slot_moe_rows if step.alignment is not None else slot_moe_rows_reference
-        run(hidden, step.top_k_index, cache.pool, row_of_expert.to(hidden.device, non_blocking=True),
-            module.intermediate_dim, step.rows, module.act_fn, workspace=self.workspace, alignment=step.alignment)
+        run(hidden, step.top_k_index, cache.pool, row_of_expert, module.intermediate_dim, step.rows,
+            module.act_fn, workspace=self.workspace, alignment=step.alignment)
         cache.release_all(layer, [slot for _, slot in wave])
 
     def _token_wise(self, module, hidden: torch.Tensor, routing: list[list[int]], rows) -> None:
