@@ -7,7 +7,9 @@ CUDA events (median of --repeats, after 2 warm-up calls); and the host's time to
 the offload runtime's streams, raw and residual (the decode launched through Triton's JIT and through
 the cache's `DecodeLauncher`, alone or GROUP loads per launch as `residual_decode_group` does); --variants
 also times the kernel's variants, and --host-profile writes where each load path's host time goes
-(cProfile, by own time). Correctness first: every decode is compared bit for bit with the original.
+(cProfile, by own time); a grouped path's rows also split its host time into a load that only joins
+its group (`_issue`) and what the group's last load adds by launching the decode (`_flush`).
+Correctness first: every decode is compared bit for bit with the original.
 
     python scripts/bench_residual.py --models dsv2 qwen --out DIR
 """
@@ -91,6 +93,7 @@ def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool, profile: 
 
 GROUP = 4  # loads per decode launch of the grouped path
 PROFILE_LINES = 25  # functions per path in the --host-profile file
+PROFILE_LOADS = 512  # loads per path under cProfile (enough for its millisecond columns to resolve a load)
 
 
 def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype) -> tuple:
@@ -114,12 +117,22 @@ def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, 
            "residual": lambda row: streams.copy_decoded(rows[row], blob_host, partial(launcher, operands),
                                                         blob_host.numel())}
     issue = {name: (1, load) for name, load in one.items()}
-    issue["residual_group"] = (GROUP, lambda row: [streams.copy_decoded(
-        rows[row * GROUP + i], blob_host, None, blob_host.numel(), group=group, member=0) for i in range(GROUP)])
+    issue["residual_group"] = (GROUP, grouped_loads(streams, group, rows, blob_host))
     issue["raw_cudart"] = (1, lambda row: fast.copy(rows[row], raw_host))
-    issue["residual_group_cudart"] = (GROUP, lambda row: [fast.copy_decoded(
-        rows[row * GROUP + i], blob_host, None, blob_host.numel(), group=fast_group, member=0) for i in range(GROUP)])
+    issue["residual_group_cudart"] = (GROUP, grouped_loads(fast, fast_group, rows, blob_host))
     return lambda: (streams.synchronize(), fast.synchronize()), rows, issue
+
+
+def grouped_loads(streams: DeviceStreams, group: DecodeGroup, rows: torch.Tensor, blob_host: torch.Tensor):
+    """load(sample, timed=None): GROUP grouped residual loads into the rows of half `sample` (the last one
+    launches the group's decode), each call's host us appended to `timed` when given."""
+    def load(sample: int, timed: list | None = None) -> None:
+        for i in range(GROUP):
+            start = time.perf_counter()
+            streams.copy_decoded(rows[sample * GROUP + i], blob_host, None, blob_host.numel(), group=group, member=0)
+            if timed is not None:
+                timed.append((time.perf_counter() - start) * 1e6)
+    return load
 
 
 def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, dtype, loads: int = 32,
@@ -138,19 +151,39 @@ def host_cost_us(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts
             load(i % 2)
             times.append((time.perf_counter() - start) * 1e6 / per_sample)
         synchronize()
-        medians[name] = sorted(times)[len(times) // 2]
+        medians[name] = median(times)
+    for name, (per_sample, load) in issue.items():
+        if per_sample > 1:  # a group's loads one by one: the last one's call also launches the group's decode
+            medians[f"{name}_issue"], medians[f"{name}_flush"] = issue_and_flush_us(load, per_sample, loads)
+            synchronize()
     if profile is not None:
         with profile.open("w") as out:
             for name, (per_sample, load) in issue.items():
                 profiler = cProfile.Profile()
-                profiler.runcall(lambda: [load(i % 2) for i in range(loads // per_sample)])
+                profiler.runcall(lambda: [load(i % 2) for i in range(PROFILE_LOADS // per_sample)])
                 synchronize()
-                out.write(f"== {name}: {loads} loads\n")
+                out.write(f"== {name}: {PROFILE_LOADS} loads\n")
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(PROFILE_LINES)
     for row in rows:  # the last loads went through the grouped launch: every row holds the expert bit for bit
         if not torch.equal(bits_of(row.cpu()), bits_of(raw_host)):
             raise AssertionError("a decode through the DecodeLauncher's grouped launch differs from the raw expert")
     return medians
+
+
+def issue_and_flush_us(load, group: int, loads: int) -> tuple[float, float]:
+    """(host us of a grouped load that only joins its group, host us the group's last load adds by launching
+    the decode), medians over `loads // group` groups, timing each `copy_decoded` call of `load`'s group."""
+    joins, flushes = [], []
+    for i in range(loads // group):
+        calls = []
+        load(i % 2, timed=calls)
+        joins += calls[:-1]
+        flushes.append(calls[-1])
+    return median(joins), median(flushes) - median(joins)
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def main() -> None:
