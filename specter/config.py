@@ -36,8 +36,10 @@ class SpecterConfig:
       while it computes the rest (0: wait for the whole step; 1 is the same).
     prefetch_chunk: draft steps whose compute one prefetch batch's transfer may span (1: a batch per
       draft token, each issued as late as it can be).
-    verify_wave: experts per verification wave (0: half the slots); a smaller first wave frees slots for
-      copies sooner, a larger one launches fewer kernels.
+    verify_wave: experts per verification wave (0: half the slots; -1: every slot of the layer); a smaller
+      wave frees slots for copies sooner, a larger one launches fewer kernels (each wave costs the host about
+      0.11 ms whatever its size on the H200). With residual_transfer the blobs land in staging rows, not in
+      the slots, so a wave of every slot holds no copy back.
     load_ahead_layers: how many next layers' planned loads start when a verify layer is done (into their
       slots that hold nothing they plan to use); 0 turns loads ahead off.
     copy_streams: 1, or 2 to put copies into slots still in use on their own stream, so copies into free
@@ -123,7 +125,7 @@ class SpecterConfig:
         _integer(self, "initial_chunk", 1)
         _number(self, "early_read_fraction", "a number in [0, 1]", lambda x: 0.0 <= x <= 1.0)
         _integer(self, "prefetch_chunk", 1)
-        _integer(self, "verify_wave", 0)
+        _integer(self, "verify_wave", -1)
         _integer(self, "load_ahead_layers", 0)
         if type(self.copy_streams) is not int or self.copy_streams not in (1, 2):
             raise SpecterError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")

@@ -64,7 +64,7 @@ def test_bad_sampling_settings():
     assert get_spec("tiny").name == "tiny-dsv2"
 
 
-@pytest.mark.parametrize("field", [dict(verify_wave=-1), dict(load_ahead_layers=-1), dict(copy_streams=3),
+@pytest.mark.parametrize("field", [dict(verify_wave=-2), dict(load_ahead_layers=-1), dict(copy_streams=3),
                                    dict(initial_chunk=0), dict(prefetch_chunk=0), dict(early_read_fraction=-0.1),
                                    dict(early_read_fraction=1.5), dict(spare_rows=-1)])
 def test_bad_offload_knobs(field):

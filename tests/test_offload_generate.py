@@ -32,7 +32,7 @@ def test_greedy_with_offload_equals_hf_generate(tiny_name, slots):
 
 @pytest.mark.parametrize("variant", [dict(prefetch=False), dict(expert_wise=False), dict(eviction="lookahead"),
                                      dict(eviction="popularity"), dict(prefetch_victims="stale", resident_experts_per_layer=6),
-                                     dict(k=16, initial_chunk=1), dict(verify_wave=1, load_ahead_layers=2),
+                                     dict(k=16, initial_chunk=1), dict(verify_wave=1, load_ahead_layers=2), dict(verify_wave=-1),
                                      dict(load_ahead_layers=0, copy_streams=2)])
 def test_ablations_stay_lossless(variant):
     model = fresh("tiny-qwen")

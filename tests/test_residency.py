@@ -13,7 +13,7 @@ from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
 from specter.prefetch.lookahead import Ranking
 from specter.prefetch.planner import WindowPlan
-from specter.verify.residency import ResidencyManager, VerifyOptions, wave_row_map
+from specter.verify.residency import ResidencyManager, VerifyOptions, wave_row_map, wave_size
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 3, 8, 16, 8, 2
 
@@ -106,7 +106,7 @@ def test_a_wave_never_mixes_loaded_experts_with_ones_loaded_ahead():
     assert runs == [[0, 1], [2, 3, 4]]  # not [0, 1, 2, 3]: the loaded pair does not wait for the copies
 
 
-@pytest.mark.parametrize("wave, ahead", [(1, 0), (3, 2)])
+@pytest.mark.parametrize("wave, ahead", [(1, 0), (3, 2), (-1, 1)])
 def test_wave_size_and_layers_ahead_are_options(wave, ahead):
     manager, _ = make_runtime(slots=4, seed=1, wave=wave, ahead_layers=ahead)
     cache, sizes = manager.cache, []
@@ -115,7 +115,7 @@ def test_wave_size_and_layers_ahead_are_options(wave, ahead):
     routing = torch.tensor([[4, 5], [6, 7]])
     with manager.verifying(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)})):  # none of it resident yet
         manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
-    assert max(sizes) == wave
+    assert max(sizes) == (wave if wave > 0 else 4)  # -1: every one of the 4 slots
     assert sorted(manager.loaded_ahead) == list(range(1, 1 + ahead))  # layers 1..ahead started their plans
     assert cache.counters.loads_ahead == 4 * ahead
     assert manager.plan is None  # the plan is the window's only
@@ -124,3 +124,8 @@ def test_wave_size_and_layers_ahead_are_options(wave, ahead):
 def test_a_wave_row_map_holds_each_wave_expert_row_and_minus_one_elsewhere():
     row_map = wave_row_map([(3, 0), (1, 5)], 6, torch.device("cpu"))
     assert row_map.dtype == torch.long and row_map.tolist() == [-1, 5, -1, 0, -1, -1]
+
+
+@pytest.mark.parametrize("option, slots, size", [(0, 4, 2), (0, 1, 1), (0, 16, 8), (3, 16, 3), (-1, 4, 4), (-1, 16, 16)])
+def test_wave_size_is_the_option_half_the_slots_or_every_slot(option, slots, size):
+    assert wave_size(option, slots) == size

@@ -117,7 +117,7 @@ BAD_VALUES = [("k", True), ("k", 2.5), ("k", "4"), ("k", 0), ("resident_experts_
               ("eviction", "fifo"), ("prefetch_victims", "none"), ("prefetch_victims", None),
               ("eviction", None), ("initial_chunk", 0), ("initial_chunk", True), ("prefetch_chunk", 0),
               ("early_read_fraction", math.nan), ("early_read_fraction", 1.5), ("early_read_fraction", -0.1),
-              ("verify_wave", -1), ("verify_wave", 0.5), ("load_ahead_layers", -1), ("copy_streams", 3),
+              ("verify_wave", -2), ("verify_wave", 0.5), ("load_ahead_layers", -1), ("copy_streams", 3),
               ("copy_streams", True), ("copy_streams", 2.0), ("spare_rows", -1), ("spare_rows", 1.5),
               ("max_cache_len", 0)]
 

@@ -39,6 +39,11 @@ class VerifyOptions:
     host_threads: int = config_default("host_expert_threads")
 
 
+def wave_size(option: int, slots: int) -> int:
+    """Experts per verify wave: `option` (VerifyOptions.wave), half the layer's slots for 0, all of them for -1."""
+    return slots if option < 0 else option or max(1, slots // 2)
+
+
 def wave_row_map(expert_rows: list[tuple[int, int]], num_experts: int, device: torch.device) -> torch.Tensor:
     """[E] the pool row of each (expert, row) of a wave, -1 for every other expert, on `device` (copied from
     pinned memory without the host waiting on CUDA)."""
@@ -206,7 +211,7 @@ class ResidencyManager:
         layer's worth of slots. A wave never mixes loaded experts with ones still in flight: the copies
         into the slots it frees would otherwise wait for the slowest of its copies.
         """
-        layer, size = step.module.moe_layer, self.options.wave or max(1, self.cache.slots_per_layer // 2)
+        layer, size = step.module.moe_layer, wave_size(self.options.wave, self.cache.slots_per_layer)
         queue = deque(current)
         queue.extend(self._load_wave(layer, pending))
         while queue:
