@@ -101,16 +101,19 @@ def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, 
     streams into device row `sample % 2` (a group: rows of that half): `DeviceStreams.copy` of the raw expert
     (raw), `copy_decoded` of the blob with the decode launched through Triton's JIT (residual_jit), through
     the `DecodeLauncher` the cache uses (residual), and through its grouped launch, GROUP loads per launch
-    (residual_group); raw_cudart and residual_group_cudart issue the copies as copy_issue=cudart does."""
-    streams, fast = DeviceStreams(torch.device("cuda")), DeviceStreams(torch.device("cuda"))
-    fast.h2d = copy_issuer("cudart")
+    (residual_group); raw_cudart and residual_group_cudart issue the copies as copy_issue=cudart does, and
+    residual_group_copies(_cudart) issue a group's copies together at its launch (residual_group_copies)."""
+    streams, fast, together, fast_together = (DeviceStreams(torch.device("cuda")) for _ in range(4))
+    fast.h2d = fast_together.h2d = copy_issuer("cudart")
+    together.group_copies = fast_together.group_copies = True
     rows = torch.empty(2 * GROUP, raw_host.numel(), dtype=dtype, device="cuda")
     plan, operands = DecodePlan.of(layout, dtype), expert_operands(drafts, dtype)
     launcher = DecodeLauncher(plan)
     stacked = tuple(operand.unsqueeze(0) for operand in operands)  # a layer of one expert
-    group, fast_group = (DecodeGroup("bench", GROUP, lambda staging, items, s=s: launcher.group(
-        stacked, staging, rows, s.upload(group_table(items, staging.shape[1], rows), ring="decode")))
-        for s in (streams, fast))
+    group, fast_group, together_group, fast_together_group = (DecodeGroup(
+        "bench", GROUP, lambda staging, items, s=s: launcher.group(
+            stacked, staging, rows, s.upload(group_table(items, staging.shape[1], rows), ring="decode")))
+        for s in (streams, fast, together, fast_together))
     jit = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
     one = {"raw": lambda row: streams.copy(rows[row], raw_host),
            "residual_jit": lambda row: streams.copy_decoded(rows[row], blob_host, jit, blob_host.numel()),
@@ -120,7 +123,10 @@ def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, 
     issue["residual_group"] = (GROUP, grouped_loads(streams, group, rows, blob_host))
     issue["raw_cudart"] = (1, lambda row: fast.copy(rows[row], raw_host))
     issue["residual_group_cudart"] = (GROUP, grouped_loads(fast, fast_group, rows, blob_host))
-    return lambda: (streams.synchronize(), fast.synchronize()), rows, issue
+    issue["residual_group_copies"] = (GROUP, grouped_loads(together, together_group, rows, blob_host))
+    issue["residual_group_copies_cudart"] = (GROUP, grouped_loads(fast_together, fast_together_group, rows, blob_host))
+    every = (streams, fast, together, fast_together)
+    return lambda: [s.synchronize() for s in every], rows, issue
 
 
 def grouped_loads(streams: DeviceStreams, group: DecodeGroup, rows: torch.Tensor, blob_host: torch.Tensor):

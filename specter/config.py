@@ -74,6 +74,9 @@ class SpecterConfig:
     residual_decode_group: residual loads of one layer decoded by one launch (1: a launch per load): fewer
       launches and events on the host, while a group's first expert waits for its last blob (8: the fastest of
       1, 4 and 8 on calibrated dsv2 at mem=low on the H200, results/reference/residual-h200/NOTES.md).
+    residual_group_copies: a decode group's blob copies are issued together when its decode launches (one
+      wait and one pair of timing events per group instead of per load: less host time per residual load,
+      while a group's first copy starts only once the group is full or needed).
     max_cache_len: positions of that static KV cache at least (grown when a request needs more; a request
       of the paper's protocol, 16 + 128 tokens, fits 256). Attention covers every position of it each
       step, and DeepSeek-V2 re-expands its MLA latent over all of them, so it is kept short.
@@ -105,6 +108,7 @@ class SpecterConfig:
     copy_issue: str = "torch"
     residual_decode_programs: int = 0
     residual_decode_group: int = 8
+    residual_group_copies: bool = False
     max_cache_len: int = 256
 
     def __post_init__(self) -> None:
@@ -115,7 +119,7 @@ class SpecterConfig:
         _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
         _integer(self, "seed", None)
         for name in ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "residual_transfer",
-                     "host_experts"):
+                     "host_experts", "residual_group_copies"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:

@@ -157,3 +157,59 @@ def test_freeing_a_cache_runs_its_pending_decodes_first(streams, rows):
     assert launches() == []
     cache.free()
     assert launches() == [("launch", "layer0", [0])] and cache.pool.numel() == 0
+
+
+def copy_records() -> list:
+    return [entry for entry in LOG if entry[0] == "record" and entry[1] == "copy"]
+
+
+def test_group_copies_wait_in_the_group_and_cross_back_to_back_at_its_launch(streams, rows):
+    """residual_group_copies: nothing crosses before the launch; then every blob of the group between one
+    start and one arrival record, before the decode stream waits for that arrival and launches."""
+    streams.group_copies = True
+    group = grouped("layer0", size=3)
+    ready = [load(streams, rows[i], 20 + i, group, member=i) for i in range(2)]
+    assert copy_records() == [] and not rows.any() and ready[0] is ready[1]
+    assert streams.copied_bytes() == (5 + 6) * 4  # counted while deferred
+    load(streams, rows[2], 22, group, member=2)
+    _, arrived = (entry[2] for entry in copy_records())  # one start and one arrival for the three copies
+    assert launches() == [("launch", "layer0", [0, 1, 2])]
+    assert LOG.index(("wait", "decode", arrived)) < LOG.index(launches()[0])
+    for i in range(3):
+        assert rows[i, :5 + i].eq(20 + i).all() and not rows[i, 5 + i:].any()
+    stats = streams.stats()
+    assert stats["h2d_copies"] == 3 and stats["h2d_bytes"] == (5 + 6 + 7) * 4 and stats["residual_decodes"] == 1
+
+
+def test_group_copies_make_four_events_per_group(streams, rows):
+    streams.group_copies = True
+    group = grouped("layer0", size=4)
+    for i in range(4):
+        load(streams, rows[i], i, group, member=i)
+    assert sum(entry[0] == "event" for entry in LOG) == 4  # start, arrived, decoding, ready: none per load
+
+
+def test_group_copies_wait_for_the_decode_that_last_read_a_staging_row(streams, rows, monkeypatch):
+    import specter.offload.streams as streams_module
+
+    monkeypatch.setattr(streams_module, "STAGING_BYTES", 1)  # two staging rows
+    streams.group_copies = True
+    group = grouped("layer0", size=2)
+    first = load(streams, rows[0], 1, group, member=0)
+    load(streams, rows[1], 2, group, member=1)
+    assert [entry for entry in LOG if entry[0] == "wait" and entry[1] == "copy"] == []  # fresh rows
+    load(streams, rows[2], 3, group, member=2)
+    load(streams, rows[3], 4, group, member=3)  # rows 0 and 1 again, both last read by the first group
+    waits = [entry for entry in LOG if entry[0] == "wait" and entry[1] == "copy"]
+    assert waits == [("wait", "copy", first)]  # one wait for that group's decode
+    second_start = copy_records()[2][2]
+    assert LOG.index(waits[0]) < LOG.index(("record", "copy", second_start))
+    assert [int(rows[i, 0]) for i in range(4)] == [1, 2, 3, 4]
+
+
+def test_group_copies_launch_when_compute_needs_a_deferred_load(streams, rows):
+    streams.group_copies = True
+    ready = load(streams, rows[0], 9, grouped("layer0", size=8), member=0)
+    assert copy_records() == []
+    streams.wait_all([ready])
+    assert len(copy_records()) == 2 and launches() == [("launch", "layer0", [0])] and rows[0, 0] == 9

@@ -107,15 +107,19 @@ def test_half_precision_offloaded_greedy_equals_target_only_on_cuda(name, dtype)
 @pytest.mark.parametrize("name", ["tiny-qwen", "tiny-mixtral"])
 def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
     """The Triton decode rebuilds every slot bit for bit: the same tokens and loads as raw copies, fewer bytes;
-    so does one launch per group of a layer's loads (residual_decode_group), with fewer launches."""
+    so does one launch per group of a layer's loads (residual_decode_group), with fewer launches, and with the
+    group's copies issued together at its launch (residual_group_copies)."""
     model = specter.load_model(name, device="cuda", dtype=dtype)
     options = [dict(residual_transfer=False), dict(residual_transfer=True, residual_decode_group=1),
-               dict(residual_transfer=True, residual_decode_group=4)]
+               dict(residual_transfer=True, residual_decode_group=4),
+               dict(residual_transfer=True, residual_decode_group=4, residual_group_copies=True)]
     runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, **o))
             .generate(prompt(), 32) for o in options]
-    assert runs[1].token_ids == runs[0].token_ids and runs[2].token_ids == runs[0].token_ids
+    assert all(run.token_ids == runs[0].token_ids for run in runs[1:])
     assert runs[1].stats["residual_decodes"] > 0 and runs[1].stats["h2d_bytes"] < 0.75 * runs[0].stats["h2d_bytes"]
     assert 0 < runs[2].stats["residual_decodes"] < runs[2].stats["h2d_copies"]
+    assert 0 < runs[3].stats["residual_decodes"] < runs[3].stats["h2d_copies"] == runs[2].stats["h2d_copies"]
+    assert runs[3].stats["h2d_bytes"] == runs[2].stats["h2d_bytes"] and runs[3].stats["h2d_gbps"] > 0
     assert model.offload.residuals.buffers[0].is_pinned() and model.offload.residuals.use_kernel
 
 

@@ -36,6 +36,7 @@ class OffloadConfig:
     decode_programs: int = config_default("residual_decode_programs")
     decode_group: int = config_default("residual_decode_group")
     copy_issue: str = config_default("copy_issue")  # how copies are issued (not part of the cache)
+    group_copies: bool = config_default("residual_group_copies")  # a decode group's copies issued together
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
@@ -43,7 +44,7 @@ class OffloadConfig:
                                config.host_experts, config.host_expert_threads)
         return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, config.prefetch_victims, verify,
                    config.residual_transfer, config.residual_decode_programs, config.residual_decode_group,
-                   config.copy_issue)
+                   config.copy_issue, config.residual_group_copies)
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once)."""
@@ -184,14 +185,15 @@ def serving(model, config: OffloadConfig, workspace: MoEWorkspace) -> Iterator[O
     """For the duration of one call: the model's runtime with `config`'s cache (rebuilt if another system
     left another one), a residency manager with `config.verify` and `workspace` as every layer's target
     executor, the copy streams split as `config.verify.copy_streams` asks and copies issued as
-    `config.copy_issue` says; the model's previous executors and stream settings afterwards."""
+    `config.copy_issue` says (a decode group's together with `config.group_copies`); the model's previous
+    executors and stream settings afterwards."""
     runtime = config.attach(model)
     host = runtime.host_experts(model.experts[0].act_fn, threads=config.verify.host_threads) \
         if config.verify.host_experts else None
     residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace, host)
     with attributes_set(model.experts, target_executor=residency), \
             attributes_set([runtime.streams], split_waiting_copies=config.verify.copy_streams == 2,
-                           h2d=copy_issuer(config.copy_issue)):
+                           h2d=copy_issuer(config.copy_issue), group_copies=config.group_copies):
         yield OffloadSession(runtime, residency)
 
 

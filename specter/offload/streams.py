@@ -7,19 +7,23 @@ from typing import NamedTuple
 
 import torch
 
+from specter.offload.host_reads import HostRead, HostTap
+
 UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: every other one)
 STAGING_BYTES = 128 * 2**20  # device memory for residual blobs between their copy and their decode
 MIN_STAGING_BUFFERS = 2  # at least one blob in flight while one decodes
 
 
 class CopyRecord(NamedTuple):
-    """One expert copy: its start and end (events on CUDA, perf_counter on CPU), bytes, and the event it
-    waited for (the last use of the device row it writes; None if none)."""
+    """One expert copy, or `copies` back-to-back copies issued together: start and end (events on CUDA,
+    perf_counter on CPU), bytes, and the event it waited for (the last use of the device row it writes;
+    None if none)."""
 
     start: object
     end: object
     nbytes: int
     after: object = None
+    copies: int = 1
 
 
 class DecodeGroup(NamedTuple):
@@ -40,6 +44,7 @@ class PendingDecodes:
     def __init__(self, group: DecodeGroup) -> None:
         self.group, self.ready = group, torch.cuda.Event(enable_timing=True)
         self.items, self.waits, self.rows, self.arrived = [], [], set(), None
+        self.copies, self.staging_waits = [], []  # deferred blob copies (staging row, blob), rows' last readers
 
     def holds(self, *events) -> bool:
         return any(event is self.ready for event in events)
@@ -62,6 +67,7 @@ class DeviceStreams:
         self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # residual decodes
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
+        self.group_copies = False  # a decode group's blob copies are issued together, when its decode launches
         self.h2d: Callable | None = None  # h2d(dst, src, stream) issues a copy (cudart.copy_issuer); None: copy_
         self._staging: torch.Tensor | None = None  # [buffers, capacity] device rows for blobs, made on first use
         self._staging_read: list = []  # per staging row: event of the decode that read it last
@@ -113,18 +119,23 @@ class DeviceStreams:
         return ready
 
     def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, stream, start, end) -> None:
-        """dst <- src on `stream` between the events `start` and `end`: through `h2d` where set (no stream
-        switch), else torch's copy_ with `stream` made current for it."""
+        self._issue_copies([(dst, src)], stream, start, end)
+
+    def _issue_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream, start, end) -> None:
+        """dst <- src for each (dst, src) on `stream`, back to back between the events `start` and `end`:
+        through `h2d` where set (no stream switch), else torch's copy_ with `stream` made current for them."""
         if self.h2d is not None:
             start.record(stream)
-            self.h2d(dst, src, stream)
+            for dst, src in pairs:
+                self.h2d(dst, src, stream)
             end.record(stream)
             return
         compute = self.compute_stream()
         torch.cuda.set_stream(stream)  # not `with torch.cuda.stream(...)`: it looks the device up twice per copy
         try:
             start.record(stream)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             end.record(stream)
         finally:
             torch.cuda.set_stream(compute)
@@ -139,7 +150,9 @@ class DeviceStreams:
         for `after` (the row's last use) and `previous` (the row's last copy), then decodes into dst.
         With a `group`, the decode joins the pending group of its key instead (`member` travels with it),
         launched by `group.launch` once `group.size` loads are in it, or when anything needs one of them
-        (`flush_decodes`); every load of a group returns the group's ready event.
+        (`flush_decodes`); every load of a group returns the group's ready event. With `group_copies` a
+        grouped load's blob copy waits in the group too, and the launch issues the group's copies back to back
+        first (one wait per decode that last read their staging rows, one timing record for all).
         On CPU `decode` reads the host blob directly, synchronously.
         """
         nbytes = blob.numel() * blob.element_size()
@@ -152,6 +165,8 @@ class DeviceStreams:
         if pending is not None and (group is None or pending.group.key != group.key or row in pending.rows
                                     or pending.holds(after, previous)):
             self.flush_decodes()
+        if group is not None and self.group_copies:
+            return self._defer_copy(group, row, blob, (dst, member), (after, previous))
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if self._staging_read[row] is not None:
             self.copy_stream.wait_event(self._staging_read[row])  # the decode that read this row last
@@ -194,6 +209,31 @@ class DeviceStreams:
         self._decodes.append((decoding, ready))
         return ready
 
+    def _defer_copy(self, group: DecodeGroup, row: int, blob: torch.Tensor, target: tuple, row_events: tuple):
+        """A grouped load with `group_copies`: its blob's copy waits in the pending group with the decode
+        (issued by `flush_decodes`); the group's ready event."""
+        ready = self._join_group(group, (row, blob.numel(), *target), (None, *row_events))
+        pending = self._pending
+        pending.copies.append((row, blob))
+        if self._staging_read[row] is not None:
+            pending.staging_waits.append(self._staging_read[row])
+        self._staging_read[row] = ready
+        if len(pending.items) >= group.size:
+            self.flush_decodes()
+        return ready
+
+    def _issue_deferred_copies(self, pending: PendingDecodes) -> None:
+        """The pending group's blob copies, back to back on the copy stream after the decodes that last read
+        their staging rows: one wait per distinct reader, one timing record for all of them."""
+        for event in dict.fromkeys(pending.staging_waits):
+            self.copy_stream.wait_event(event)
+        start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        pairs = [(self._staging[row, :blob.numel()], blob) for row, blob in pending.copies]
+        self._issue_copies(pairs, self.copy_stream, start, arrived)
+        nbytes = sum(blob.numel() * blob.element_size() for _, blob in pending.copies)
+        self._copies.append(CopyRecord(start, arrived, nbytes, copies=len(pairs)))
+        pending.arrived = arrived
+
     def _join_group(self, group: DecodeGroup, item: tuple, waits: tuple):
         if self._pending is None:
             self._pending = PendingDecodes(group)
@@ -201,7 +241,8 @@ class DeviceStreams:
         arrived, *row_events = waits
         pending.items.append(item)
         pending.rows.add(item[0])
-        pending.arrived = arrived  # the copy stream runs in order: the last blob's arrival covers the others
+        if arrived is not None:  # None: a deferred copy (its arrival is recorded when it is issued)
+            pending.arrived = arrived  # the copy stream runs in order: the last blob's arrival covers the others
         pending.waits += [event for event in row_events if event is not None]
         return pending.ready
 
@@ -210,6 +251,8 @@ class DeviceStreams:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        if pending.copies:
+            self._issue_deferred_copies(pending)
         decoding, compute = torch.cuda.Event(enable_timing=True), self.compute_stream()
         try:
             torch.cuda.set_stream(self.decode_stream)
@@ -313,7 +356,7 @@ class DeviceStreams:
         nbytes = self.copied_bytes()
         return {
             "h2d_bytes": nbytes,
-            "h2d_copies": len(self._copies),
+            "h2d_copies": sum(c.copies for c in self._copies),
             "h2d_busy_ms": copy_ms,
             "h2d_gbps": nbytes / copy_ms / 1e6 if copy_ms > 0 else float("nan"),
             "wait_ms": sum(_elapsed_ms(a, b) for a, b in self._stalls),
@@ -322,8 +365,9 @@ class DeviceStreams:
         }
 
     def copied_bytes(self) -> int:
-        """Bytes of the copies issued since `reset_stats` (host bookkeeping, no sync)."""
-        return sum(c.nbytes for c in self._copies)
+        """Bytes of the copies issued since `reset_stats`, deferred ones included (host bookkeeping, no sync)."""
+        deferred = [] if self._pending is None else self._pending.copies
+        return sum(c.nbytes for c in self._copies) + sum(blob.numel() * blob.element_size() for _, blob in deferred)
 
     def copy_spans_ms(self, timeline) -> list[tuple[float, float, float | None]]:
         """(start, end, slot free) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it
@@ -337,40 +381,6 @@ class DeviceStreams:
         done = [c for c in self._copies[-64:] if self.is_ready(c.end if self.cuda else None)]
         ms = sum(_elapsed_ms(c.start, c.end) for c in done)
         return sum(c.nbytes for c in done) / ms if ms > 0 else None
-
-
-class HostRead:
-    """A device-to-host copy in flight (see DeviceStreams.read_later)."""
-
-    def __init__(self, host: torch.Tensor, done) -> None:
-        self.host, self.done = host, done
-
-    def result(self) -> torch.Tensor:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host
-
-
-class HostTap:
-    """A small device tensor copied to one pinned host buffer each time `record` runs, even as a node of a
-    captured CUDA graph (its event is external, so the host can wait for the graph to reach it)."""
-
-    def __init__(self, shape: tuple, dtype: torch.dtype, cuda: bool) -> None:
-        self.event = torch.cuda.Event(external=True) if cuda else None
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-
-    @torch.compiler.disable  # inside a torch.compile'd draft step: a graph break, run as written (and captured)
-    def record(self, tensor: torch.Tensor) -> None:
-        """Copy `tensor` to the host buffer when the current stream gets here (synchronous on CPU)."""
-        self.host.copy_(tensor, non_blocking=self.event is not None)
-        if self.event is not None:
-            self.event.record()
-
-    def result(self) -> torch.Tensor:
-        """The host buffer once the latest recorded copy is done (the host waits for that point alone)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
 
 
 def _elapsed_ms(start, end) -> float:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specter.offload.streams import DeviceStreams, HostRead
+from specter.offload.host_reads import HostRead
+from specter.offload.streams import DeviceStreams
 from specter.offload.timeline import to_host
 
 

@@ -1,0 +1,39 @@
+"""Small device-to-host reads the host waits for one at a time: an async copy (HostRead) and a copy a captured
+CUDA graph can signal (HostTap)."""
+from __future__ import annotations
+
+import torch
+
+
+class HostRead:
+    """A device-to-host copy in flight (see DeviceStreams.read_later)."""
+
+    def __init__(self, host: torch.Tensor, done) -> None:
+        self.host, self.done = host, done
+
+    def result(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+class HostTap:
+    """A small device tensor copied to one pinned host buffer each time `record` runs, even as a node of a
+    captured CUDA graph (its event is external, so the host can wait for the graph to reach it)."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, cuda: bool) -> None:
+        self.event = torch.cuda.Event(external=True) if cuda else None
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+
+    @torch.compiler.disable  # inside a torch.compile'd draft step: a graph break, run as written (and captured)
+    def record(self, tensor: torch.Tensor) -> None:
+        """Copy `tensor` to the host buffer when the current stream gets here (synchronous on CPU)."""
+        self.host.copy_(tensor, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+
+    def result(self) -> torch.Tensor:
+        """The host buffer once the latest recorded copy is done (the host waits for that point alone)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
