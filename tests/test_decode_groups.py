@@ -213,3 +213,27 @@ def test_group_copies_launch_when_compute_needs_a_deferred_load(streams, rows):
     assert copy_records() == []
     streams.wait_all([ready])
     assert len(copy_records()) == 2 and launches() == [("launch", "layer0", [0])] and rows[0, 0] == 9
+
+
+def test_started_copies_cross_before_their_group_launches(streams, rows):
+    """start_copies: the deferred copies go now; loads joining later cross at the launch, which waits for them."""
+    streams.group_copies = True
+    group = grouped("layer0", size=3)
+    load(streams, rows[0], 5, group, member=0)
+    load(streams, rows[1], 6, group, member=1)
+    streams.start_copies()
+    assert len(copy_records()) == 2 and launches() == [] and not rows.any()  # in staging, not decoded yet
+    streams.start_copies()  # nothing left to start
+    assert len(copy_records()) == 2
+    load(streams, rows[2], 7, group, member=2)
+    assert len(copy_records()) == 4 and launches() == [("launch", "layer0", [0, 1, 2])]
+    last_arrival = copy_records()[-1][2]
+    assert LOG.index(("wait", "decode", last_arrival)) < LOG.index(launches()[0])
+    assert streams.stats()["h2d_copies"] == 3 and [int(rows[i, 0]) for i in range(3)] == [5, 6, 7]
+
+
+def test_start_copies_does_nothing_without_group_copies(streams, rows):
+    load(streams, rows[0], 5, grouped("layer0", size=3), member=0)  # copied at once, decode pending
+    records = len(copy_records())
+    streams.start_copies()
+    assert len(copy_records()) == records == 2 and launches() == []

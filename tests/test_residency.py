@@ -129,3 +129,18 @@ def test_a_wave_row_map_holds_each_wave_expert_row_and_minus_one_elsewhere():
 @pytest.mark.parametrize("option, slots, size", [(0, 4, 2), (0, 1, 1), (0, 16, 8), (3, 16, 3), (-1, 4, 4), (-1, 16, 16)])
 def test_wave_size_is_the_option_half_the_slots_or_every_slot(option, slots, size):
     assert wave_size(option, slots) == size
+
+
+def test_deferred_loads_start_before_the_router_wait_and_after_the_loads_ahead():
+    """With residual_group_copies nothing a layer loaded may wait for its group while the host waits for the
+    router or runs the next layer's attention: the manager starts the loads at both points."""
+    manager, _ = make_runtime(slots=4, seed=0, ahead_layers=1)
+    cache, events = manager.cache, []
+    run_wave, load_ahead, start = manager._run_wave, cache.load_ahead, cache.start_loads
+    manager._run_wave = lambda step, wave: (events.append("wave"), run_wave(step, wave))
+    cache.load_ahead = lambda *args: (events.append("ahead"), load_ahead(*args))[1]
+    cache.start_loads = lambda: (events.append("start"), start())
+    routing = torch.tensor([[4, 5], [6, 7]])
+    with manager.verifying(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)})):
+        manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
+    assert events == ["wave", "wave", "start", "ahead", "ahead", "ahead", "ahead", "start"]

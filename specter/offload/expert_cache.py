@@ -331,6 +331,10 @@ class ExpertCache:
         self.residuals.decode_group(layer, self.decode_launcher, staging, self.pool,
                                     self.streams.upload(table, ring="decode"))
 
+    def start_loads(self) -> None:
+        """Start the copies of grouped loads that wait for their group's launch (`group_copies`; else nothing)."""
+        self.streams.start_copies()
+
     def flush_loads(self) -> None:
         """Start the decodes of loads still waiting for their group (grouped residual loads; else nothing)."""
         self.streams.flush_decodes()

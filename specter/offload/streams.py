@@ -222,6 +222,12 @@ class DeviceStreams:
             self.flush_decodes()
         return ready
 
+    def start_copies(self) -> None:
+        """Issue the pending group's deferred copies now (`group_copies`; its decode still waits for the group
+        to fill or be needed): before the host blocks or leaves a layer, so the copy stream has them."""
+        if self._pending is not None and self._pending.copies:
+            self._issue_deferred_copies(self._pending)
+
     def _issue_deferred_copies(self, pending: PendingDecodes) -> None:
         """The pending group's blob copies, back to back on the copy stream after the decodes that last read
         their staging rows: one wait per distinct reader, one timing record for all of them."""
@@ -232,7 +238,7 @@ class DeviceStreams:
         self._issue_copies(pairs, self.copy_stream, start, arrived)
         nbytes = sum(blob.numel() * blob.element_size() for _, blob in pending.copies)
         self._copies.append(CopyRecord(start, arrived, nbytes, copies=len(pairs)))
-        pending.arrived = arrived
+        pending.arrived, pending.copies, pending.staging_waits = arrived, [], []
 
     def _join_group(self, group: DecodeGroup, item: tuple, waits: tuple):
         if self._pending is None:

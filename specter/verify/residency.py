@@ -148,6 +148,7 @@ class ResidencyManager:
         planned = [e for e in planned if e not in host]
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
         self._stream(step, ready_first, deque(planned), ready=len(resident.keys() - ahead))
+        cache.start_loads()  # nothing waits for a group's launch while the host waits for the router
         waited = time.perf_counter()
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
         self.host_wait_ms += (time.perf_counter() - waited) * 1e3
@@ -161,6 +162,7 @@ class ResidencyManager:
             self._finish_host_experts(step, on_host, len(host & set(routed)))
         for ahead in range(layer + 1, layer + 1 + self.options.ahead_layers):
             self._load_ahead(ahead)
+        cache.start_loads()  # the loads ahead cross while the host runs the next layer's attention
 
     def _start_host_experts(self, step: LayerPass, planned: list[int], routing) -> tuple[set, object]:
         """The planned experts that run on the CPU (`host_experts.split_for_host`) and the Future of their rows
