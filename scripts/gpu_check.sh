@@ -38,6 +38,9 @@
 # with 12 worker threads; residual + host experts), each row printed from OUT/residual-<mem>.log as measured.
 # host: one expert on the host CPU (bench_host_experts.py: dtypes x threads x tokens, the runtime's estimate)
 # beside its PCIe copy, for dsv2 and phi.
+# hostcost: the GPU tests of the grouped residual paths and of the wave bench, then the host's microseconds per
+# verify wave by wave size (bench_wave_host.py, dsv2 and qwen) and per residual load on every load path
+# (bench_residual.py, dsv2; the grouped paths split into joining a group and its launch).
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -76,6 +79,13 @@ for step in "${STEPS[@]}"; do
               done ;;
     host) python3 scripts/bench_host_experts.py --models dsv2 phi --out "$OUT" 2>&1 | grep -v -i warn
           rc=${PIPESTATUS[0]} ;;
+    hostcost) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_bench_wave_host.py \
+                -k "residual_transfer_on_cuda or wave_size" > "$OUT/hostcost_tests.log" 2>&1; rc=$?
+              grep -E "passed|failed|error" "$OUT/hostcost_tests.log" | tail -2
+              python3 scripts/bench_wave_host.py --models dsv2 qwen --out "$OUT" 2>&1 | grep -v -i warn
+              [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+              python3 scripts/bench_residual.py --models dsv2 --repeats 5 --out "$OUT" 2>&1 | grep -v -i warn
+              [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
