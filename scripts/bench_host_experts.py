@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specter.kernels.reference import expert_mlp  # noqa: E402
-from specter.metrics import write_rows_csv  # noqa: E402
+from specter.metrics import format_row, write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.offload.host_store import HostExpertStore  # noqa: E402
 from specter.verify.host_experts import HostExpertRunner, measure_host_cost  # noqa: E402
@@ -122,7 +122,7 @@ def main() -> None:
         for dtype_name in args.dtypes:
             for row in bench(name, DTYPES[dtype_name], threads, args.repeats, args.cold_mb):
                 rows.append(row)
-                print(" | ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+                print(format_row(row), flush=True)
     if args.out:
         write_rows_csv(args.out / "host_experts_bench.csv", rows)
 

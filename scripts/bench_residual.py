@@ -27,9 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specter.kernels.residual_decode import (DecodeLauncher, DecodePlan, decode_expert, expert_operands,  # noqa: E402
-                                             group_table, launch_decode)
-from specter.metrics import write_rows_csv  # noqa: E402
+from specter.kernels.residual_decode import (  # noqa: E402
+    DecodeLauncher,
+    DecodePlan,
+    decode_expert,
+    expert_operands,
+    group_table,
+    launch_decode,
+)
+from specter.metrics import format_row, write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.offload.cudart import copy_issuer  # noqa: E402
 from specter.offload.streams import DecodeGroup, DeviceStreams  # noqa: E402
@@ -211,7 +217,7 @@ def main() -> None:
             profile = (args.out / f"residual_host_profile_{name}_{str(dtype)[6:]}.txt"
                        if args.host_profile and args.out else None)
             rows.append(bench(name, dtype, args.repeats, args.variants, profile))
-            print(" | ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+            print(format_row(rows[-1]), flush=True)
     if args.out:
         write_rows_csv(args.out / "residual_bench.csv", rows)
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specter.kernels.slot_moe import MoEWorkspace, align_routing, slot_moe_rows, slot_moe_rows_reference  # noqa: E402
-from specter.metrics import write_rows_csv  # noqa: E402
+from specter.metrics import format_row, write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.offload.streams import DeviceStreams  # noqa: E402
 from specter.verify.residency import wave_row_map  # noqa: E402
@@ -115,9 +115,8 @@ def main() -> None:
         sys.exit("error: --tokens and --repeats must be at least 1")
     rows = []
     for name in args.models:
-        for row in bench(name, args.tokens, args.repeats):
-            rows.append(row)
-            print(" | ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        rows += bench(name, args.tokens, args.repeats)
+        print("\n".join(format_row(row) for row in rows[-len(WAVES):]), flush=True)
     if args.out:
         write_rows_csv(args.out / "wave_host.csv", rows)
 

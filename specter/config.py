@@ -37,9 +37,9 @@ class SpecterConfig:
     prefetch_chunk: draft steps whose compute one prefetch batch's transfer may span (1: a batch per
       draft token, each issued as late as it can be).
     verify_wave: experts per verification wave (0: half the slots; -1: every slot of the layer); a smaller
-      wave frees slots for copies sooner, a larger one launches fewer kernels (each wave costs the host about
-      0.11 ms whatever its size on the H200). With residual_transfer the blobs land in staging rows, not in
-      the slots, so a wave of every slot holds no copy back.
+      wave frees slots for copies sooner, a larger one launches fewer kernels (the host's cost per wave
+      hardly depends on its size: results/reference/residual-h200/NOTES.md). With residual_transfer the blobs
+      land in staging rows, not in the slots, so a wave of every slot holds no copy back.
     load_ahead_layers: how many next layers' planned loads start when a verify layer is done (into their
       slots that hold nothing they plan to use); 0 turns loads ahead off.
     copy_streams: 1, or 2 to put copies into slots still in use on their own stream, so copies into free

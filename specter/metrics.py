@@ -13,6 +13,11 @@ import torch
 from specter.offload.timeline import Timeline
 
 
+def format_row(row: dict) -> str:
+    """One benchmark row as `key value | key value ...` (the scripts print each row as it is measured)."""
+    return " | ".join(f"{k} {v}" for k, v in row.items())
+
+
 def write_rows_csv(path: Path, rows: list[dict]) -> Path:
     """Rows (dicts with the first row's keys) to a CSV file at `path`, its folder made if missing."""
     path.parent.mkdir(parents=True, exist_ok=True)

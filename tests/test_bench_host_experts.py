@@ -1,15 +1,11 @@
 """scripts/bench_host_experts.py on CPU: one tiny expert's rows, with the copy marked unavailable."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_host_experts.py"
-spec = importlib.util.spec_from_file_location("bench_host_experts", SCRIPT)
-bench_host_experts = sys.modules.setdefault("bench_host_experts", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(bench_host_experts)
+from tests.scripts import load_script
+
+bench_host_experts = load_script("bench_host_experts")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rows (a GPU adds the measured copy)")

@@ -1,8 +1,6 @@
 """scripts/bench_offload.py's summary of runs (on CPU stats: the script itself needs a GPU)."""
-import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +8,9 @@ import torch
 import specter
 from baselines.target_only import TargetOnly
 from tests.conftest import prompt
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_offload.py"
-spec = importlib.util.spec_from_file_location("bench_offload", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_script("bench_offload")
 
 
 def test_summary_rows_line_and_table(capsys):
@@ -33,11 +29,7 @@ def test_summary_rows_line_and_table(capsys):
 
 
 def load_simulation():
-    path = SCRIPT.parent / "sim_offload_bytes.py"
-    sim_spec = importlib.util.spec_from_file_location("sim_offload_bytes", path)
-    sim = importlib.util.module_from_spec(sim_spec)
-    sim_spec.loader.exec_module(sim)
-    return sim
+    return load_script("sim_offload_bytes")
 
 
 def test_byte_simulation_counts_on_a_tiny_model():

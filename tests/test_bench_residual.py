@@ -1,12 +1,7 @@
 """scripts/bench_residual.py's split of a grouped load's host time (the timing itself needs a GPU)."""
-import importlib.util
-import sys
-from pathlib import Path
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_residual.py"
-spec = importlib.util.spec_from_file_location("bench_residual", SCRIPT)
-bench_residual = sys.modules.setdefault("bench_residual", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(bench_residual)
+bench_residual = load_script("bench_residual")
 
 
 def test_a_group_splits_into_joining_loads_and_the_flush_its_last_load_adds():

@@ -1,21 +1,18 @@
 """scripts/bench_wave_host.py: a clear error without a GPU; on a GPU, one row per wave size, checked rows."""
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_wave_host.py"
-spec = importlib.util.spec_from_file_location("bench_wave_host", SCRIPT)
-bench_wave_host = sys.modules.setdefault("bench_wave_host", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(bench_wave_host)
+from tests.scripts import SCRIPTS, load_script
+
+bench_wave_host = load_script("bench_wave_host")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message a machine without a GPU gets")
 def test_without_a_gpu_it_exits_with_one_line():
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_wave_host.py")], capture_output=True, text=True)
     assert done.returncode != 0 and done.stderr.strip() == "error: bench_wave_host.py needs a CUDA GPU"
 
 

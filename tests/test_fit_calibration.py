@@ -1,17 +1,13 @@
 """scripts/fit_calibration.py's correction rounds: the build's offset from the simulation corrects the fit,
 and the build closest to the real row is kept (a fake build and simulation, so no model is built)."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from specter.models.calibrated import RoutingProfile
 from specter.models.registry import get_spec
+from tests.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fit_calibration.py"
-module_spec = importlib.util.spec_from_file_location("fit_calibration", SCRIPT)
-fit = importlib.util.module_from_spec(module_spec)
-module_spec.loader.exec_module(fit)
+fit = load_script("fit_calibration")
 
 TARGET = {("LRU", 0.5): 0.23, ("LRU", 1.0): 0.42, ("LRU", 2.0): 0.65, ("Belady", 1.0): 0.59}
 

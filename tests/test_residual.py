@@ -5,6 +5,7 @@ import torch
 from specter.quant.gptq import gptq_quantize
 from specter.quant.int4 import GROUP_SIZE, quantize_to_codes, symmetric_scales, unpack_codes
 from specter.quant.residual import bits_of, decode, encode, keys_to_bits, mean_bits, order_keys, truncated_bits
+from tests.scripts import load_script
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -108,12 +109,7 @@ def test_other_dtypes_are_refused():
 
 
 def test_the_bits_script_measures_a_tiny_expert(monkeypatch):
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "residual_bits.py"
-    spec = importlib.util.spec_from_file_location("residual_bits", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("residual_bits")
     assert script.expert_shapes("dsv2") == [(1408, 2048), (1408, 2048), (2048, 1408)]
     monkeypatch.setattr(script, "expert_shapes", lambda name: [(8, 256), (256, 128)])
     row = script.measure("dsv2", torch.bfloat16, "laplace", "gptq")

@@ -1,13 +1,10 @@
 """scripts/sim_window_retention.py: what each retention policy keeps, and loads per window on a small trace."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "sim_window_retention.py"
-module_spec = importlib.util.spec_from_file_location("sim_window_retention", SCRIPT)
-sim = importlib.util.module_from_spec(module_spec)
-module_spec.loader.exec_module(sim)
+from tests.scripts import load_script
+
+sim = load_script("sim_window_retention")
 
 WINDOW = [[0, 1], [0, 2], [0, 3]]  # expert 0 three times, 1-3 once each; 3 used last
 NEXT = [[1, 4], [1, 5], [4, 5]]

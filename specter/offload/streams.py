@@ -49,6 +49,10 @@ class PendingDecodes:
     def holds(self, *events) -> bool:
         return any(event is self.ready for event in events)
 
+    def deferred_bytes(self) -> int:
+        """Bytes of the blob copies waiting in the group (`group_copies`)."""
+        return sum(blob.numel() * blob.element_size() for _, blob in self.copies)
+
 
 class DeviceStreams:
     """All stream/event handling of expert I/O lives here.
@@ -236,8 +240,7 @@ class DeviceStreams:
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         pairs = [(self._staging[row, :blob.numel()], blob) for row, blob in pending.copies]
         self._issue_copies(pairs, self.copy_stream, start, arrived)
-        nbytes = sum(blob.numel() * blob.element_size() for _, blob in pending.copies)
-        self._copies.append(CopyRecord(start, arrived, nbytes, copies=len(pairs)))
+        self._copies.append(CopyRecord(start, arrived, pending.deferred_bytes(), copies=len(pairs)))
         pending.arrived, pending.copies, pending.staging_waits = arrived, [], []
 
     def _join_group(self, group: DecodeGroup, item: tuple, waits: tuple):
@@ -372,8 +375,8 @@ class DeviceStreams:
 
     def copied_bytes(self) -> int:
         """Bytes of the copies issued since `reset_stats`, deferred ones included (host bookkeeping, no sync)."""
-        deferred = [] if self._pending is None else self._pending.copies
-        return sum(c.nbytes for c in self._copies) + sum(blob.numel() * blob.element_size() for _, blob in deferred)
+        deferred = 0 if self._pending is None else self._pending.deferred_bytes()
+        return sum(c.nbytes for c in self._copies) + deferred
 
     def copy_spans_ms(self, timeline) -> list[tuple[float, float, float | None]]:
         """(start, end, slot free) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it

@@ -50,8 +50,7 @@ def wave_row_map(expert_rows: list[tuple[int, int]], num_experts: int, device: t
     row_map = [-1] * num_experts
     for expert, row in expert_rows:
         row_map[expert] = row
-    cuda = torch.device(device).type == "cuda"
-    return torch.tensor(row_map, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=True)
+    return torch.tensor(row_map, dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 class LayerPass(NamedTuple):
