@@ -15,7 +15,8 @@ Each row is printed as it is measured, then a table per model; all rows go to DI
 TPOT, acceptance, hit rate, H2D MB per token and GB/s, waits, the I/O floor (the bytes of routed experts
 that were not resident when their verify window started, at the run's measured H2D bandwidth, per
 committed token), decoding's bytes over the floor, copy-stream idle time per phase, and whether the tokens
-equal the resident target's. `--host-profile` writes a cProfile of one more Specter decode. Reference
+equal the resident target's. `--repeats N` decodes every prompt N times per system (TPOT min and max over
+all of them), `--host-profile` writes a cProfile of one more decode of each Specter system. Reference
 results: results/reference/NOTES.md.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import cProfile
 import gc
 import io
 import pstats
+import re
 import sys
 import time
 from pathlib import Path
@@ -48,13 +50,15 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold 
 WARMUP_TOKENS = 40  # several full windows at K <= 16: the first measured system pays no first-use costs
 
 
-def run(system, prompts, new_tokens: int) -> list[dict]:
-    """One warm-up, then each prompt once; stats plus the tokens."""
+def run(system, prompts, new_tokens: int, repeats: int = 1) -> list[dict]:
+    """One warm-up, then every prompt in turn, `repeats` times over; stats plus the tokens, prompt order
+    within each repeat."""
     system.generate(prompts[0], min(new_tokens, WARMUP_TOKENS))
     results = []
-    for ids in prompts:
-        with gc_paused():
-            results.append(system.generate(ids, new_tokens))
+    for _ in range(repeats):
+        for ids in prompts:
+            with gc_paused():
+                results.append(system.generate(ids, new_tokens))
     return [dict(r.stats, tokens=r.token_ids) for r in results]
 
 
@@ -79,6 +83,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     return {
         "io_floor_both_paths_ms_per_token": floor_with_host(floor, runs[0], bytes_per_ms) if floor else None,
         "system": name, "tpot_ms": mean("tpot_ms"), "ttft_ms": mean("ttft_ms"),
+        "tpot_min_ms": min(r["tpot_ms"] for r in runs), "tpot_max_ms": max(r["tpot_ms"] for r in runs),
         "acceptance": mean("acceptance_rate"), "mean_accepted": mean("mean_accepted_length"),
         "hit_rate": mean("hit_rate"),
         "planned_miss_share": mean("misses_planned") / mean("misses") if runs[0].get("misses") else float("nan"),
@@ -104,7 +109,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
            for phase in ("draft", "verify", "between")},
         **{f"copy_gap_{cause}_ms_per_token": mean(f"copy_gap_{cause}_ms") / mean("generated_tokens")
            for cause in ("slot", "host")},
-        "tokens_match_resident": sum(r["tokens"] == ref for r, ref in zip(runs, reference)) / len(runs),
+        "tokens_match_resident": sum(r["tokens"] == reference[i % len(reference)] for i, r in enumerate(runs)) / len(runs),
     }
 
 
@@ -145,7 +150,7 @@ def host_profile(system, prompt: torch.Tensor, new_tokens: int, path: Path, top:
 def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
                 plan_only: bool = False, initial_chunk: int | None = None, variants: tuple = (),
                 quick: bool = False, profile_to: Path | None = None, weights: str = "synthetic",
-                dtype: torch.dtype | None = None) -> list[dict]:
+                dtype: torch.dtype | None = None, repeats: int = 1) -> list[dict]:
     t0 = time.time()
     model = specter.load_model(name, weights=weights, device="cuda", dtype=dtype)
     spec = model.spec
@@ -179,12 +184,13 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
     warm_up_first_use(systems, prompts, new_tokens)
     for label, system in systems:
         t1 = time.time()
-        rows.append(summarize(label, run(system, prompts, new_tokens), reference))
+        rows.append(summarize(label, run(system, prompts, new_tokens, repeats), reference))
         rows[-1]["k"] = system.config.k if hasattr(system, "config") else None
         print(f"   {label}: {time.time() - t1:.0f} s; {row_line(rows[-1])}", flush=True)  # kept if a call is cut
-    if profile_to is not None:
-        host_profile(dict(systems)["specter" if len(ks) == 1 else f"specter_k{k}"], prompts[0], new_tokens,
-                     profile_to / f"host_profile_{name}.txt")
+    for label, system in systems if profile_to is not None else []:
+        if isinstance(system, specter.SpecterEngine):
+            print(f"   host profile: {label}", flush=True)
+            host_profile(system, prompts[0], new_tokens, profile_to / f"host_profile_{name}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}.txt")
     for row in rows:
         row.update(model=name, weights=weights, mem=mem, slots=slots, k=row.pop("k", None) or k)
     del model, systems
@@ -195,7 +201,7 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
 
 def row_line(row: dict) -> str:
     """TPOT, and for Specter the I/O floor ratio and where the copy stream idled, on one line."""
-    line = f"TPOT {row['tpot_ms']:.2f} ms"
+    line = f"TPOT {row['tpot_ms']:.2f} ms ({row['tpot_min_ms']:.2f}-{row['tpot_max_ms']:.2f})"
     if row.get("io_floor_ms_per_token"):
         idle = ", ".join(f"{p} {row[f'copy_idle_{p}_ms_per_token']:.2f}" for p in ("draft", "verify", "between"))
         line += (f", TPOT / I/O floor {row['tpot_ms'] / row['io_floor_ms_per_token']:.2f}, decoding's "
@@ -246,8 +252,11 @@ def main() -> None:
                         help="more Specter configurations, e.g. initial_chunk=1 prefetch_chunk=8")
     parser.add_argument("--quick", action="store_true",
                         help="only the resident reference, Specter and the variants (no on-demand, no-prefetch, eager)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed decodes of every prompt per system (TPOT min and max show the spread)")
     parser.add_argument("--host-profile", action="store_true",
-                        help="one more Specter generate() under cProfile, written to OUT/host_profile_<model>.txt")
+                        help="one more generate() of each Specter system under cProfile, written to "
+                             "OUT/host_profile_<model>_<system>.txt")
     parser.add_argument("--weights", choices=("synthetic", "calibrated"), default="synthetic",
                         help="seeded random weights, or calibrated ones (real routing locality and acceptance)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
@@ -255,6 +264,8 @@ def main() -> None:
                              "weights float16)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    if args.repeats < 1:
+        sys.exit(f"error: --repeats must be at least 1, got {args.repeats}")
     if not torch.cuda.is_available():
         sys.exit("error: bench_offload.py needs a CUDA GPU")
     rows = []
@@ -262,7 +273,7 @@ def main() -> None:
         model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only,
                                  args.initial_chunk, args.variants, args.quick,
                                  args.out if args.host_profile else None, args.weights,
-                                 args.dtype and getattr(torch, args.dtype))
+                                 args.dtype and getattr(torch, args.dtype), args.repeats)
         print_table(model_rows)
         rows += model_rows
     write_rows_csv(args.out / "offload.csv", rows)

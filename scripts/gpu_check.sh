@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
-#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|report|batch|llamacpp ...]
+#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|spread|report|batch|llamacpp|hostcost ...]
 #   (default: tests profile overlap kernel offload, in this order)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes (PROFILE_ARGS=--compile
 # adds the torch.compile'd step beside it: compile time, same tokens, replay ratio); overlap: when the copy
@@ -41,6 +41,9 @@
 # hostcost: the GPU tests of the grouped residual paths and of the wave bench, then the host's microseconds per
 # verify wave by wave size (bench_wave_host.py, dsv2 and qwen) and per residual load on every load path
 # (bench_residual.py, dsv2; the grouped paths split into joining a group and its launch).
+# spread: calibrated dsv2 mem=low, K=32 (SPREAD_MEM, SPREAD_K), the built-in prompts decoded 3 times each
+# (SPREAD_REPEATS) by Specter and the three options of issue 21 (residual transfer, draft-ahead, draft_compile),
+# TPOT min-max per system and a host profile of one more decode of each (bench_offload.py --repeats).
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -86,6 +89,10 @@ for step in "${STEPS[@]}"; do
               [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
               python3 scripts/bench_residual.py --models dsv2 --repeats 5 --out "$OUT" 2>&1 | grep -v -i warn
               [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
+    spread) python3 scripts/bench_offload.py --models dsv2 --mem "${SPREAD_MEM:-low}" --k "${SPREAD_K:-32}" --quick \
+              --weights calibrated --repeats "${SPREAD_REPEATS:-3}" --host-profile --out "$OUT/spread" \
+              --variants residual_transfer=true,draft_ahead=true,draft_compile=true 2>&1 \
+              | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]} ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \

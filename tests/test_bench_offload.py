@@ -28,6 +28,27 @@ def test_summary_rows_line_and_table(capsys):
     assert "specter: TPOT / I/O floor" in out and "draft step" not in out
 
 
+def test_repeats_decode_every_prompt_again_and_keep_the_spread():
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    prompts = [prompt(), prompt("def f(x):")]
+    reference = [r["tokens"] for r in bench.run(TargetOnly(model), prompts, 8)]
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=3, resident_experts_per_layer=2))
+    runs = bench.run(engine, prompts, 8, repeats=2)
+    assert [r["tokens"] for r in runs] == reference * 2
+    row = bench.summarize("specter", runs, reference)
+    assert row["tokens_match_resident"] == 1.0
+    assert row["tpot_min_ms"] <= row["tpot_ms"] <= row["tpot_max_ms"]
+    assert f"({row['tpot_min_ms']:.2f}-{row['tpot_max_ms']:.2f})" in bench.row_line(row)
+    wrong = dict(runs[1], tokens=runs[0]["tokens"])  # prompt 1's decode with prompt 0's tokens
+    assert bench.summarize("specter", [runs[0], wrong], reference)["tokens_match_resident"] == 0.5
+
+
+def test_bench_offload_rejects_zero_repeats(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_offload.py", "--repeats", "0"])
+    with pytest.raises(SystemExit, match="--repeats must be at least 1, got 0"):
+        bench.main()
+
+
 def load_simulation():
     return load_script("sim_offload_bytes")
 
