@@ -1,0 +1,69 @@
+"""Per-system medians of a results directory, the numbers the reference NOTES tables quote.
+
+    python -m experiments.medians results/reference/calibrated-h200/issue21-s26-dsv2-low-k32
+
+Over every measured case of a system (datasets x prompts x repeats): median TPOT with its min and max, the
+draft, verify and wait phases per committed token, PCIe GB per committed token, the I/O floor, the mean
+accepted length, how many cases gave the resident target's tokens, and the TPOT ratios to Specter and
+to MO-SM (how many times faster than MO-SM a system is). Exit status 2 on a missing or empty directory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.records import read_records
+
+PER_TOKEN = ("draft_ms", "verify_ms", "wait_ms")  # per run, divided by its generated tokens
+
+
+def system_medians(records: pd.DataFrame) -> pd.DataFrame:
+    """One row per system (in first-seen order) of the measured rows' medians."""
+    ok = records[records.status == "ok"]
+    rows = []
+    for system, runs in ok.groupby("system", sort=False):
+        num = runs.apply(pd.to_numeric, errors="coerce")  # "-" and text columns become NaN
+        tpot = num.tpot_ms
+        row = {"system": system, "cases": len(runs), "tpot_ms": tpot.median(),
+               "tpot_min_ms": tpot.min(), "tpot_max_ms": tpot.max()}
+        for key in PER_TOKEN:
+            row[f"{key.removesuffix('_ms')}_ms_per_token"] = (num[key] / num.generated_tokens).median()
+        row["gb_per_token"] = num.h2d_bytes_per_token.median() / 1e9
+        row["io_floor_ms_per_token"] = num.io_floor_ms_per_token.median()
+        row["mean_accepted_length"] = num.mean_accepted_length.median()
+        row["tokens_match_target"] = int(runs.tokens_match_target.astype(str).str.lower()
+                                         .isin(("true", "1", "yes")).sum())
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    by_system = table.set_index("system").tpot_ms
+    if "specter" in by_system:
+        table["x_specter"] = table.tpot_ms / by_system["specter"]
+    if "mo_sm" in by_system:
+        table["mo_sm_over_it"] = by_system["mo_sm"] / table.tpot_ms
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a results directory (with records.csv)")
+    args = parser.parse_args(argv)
+    path = args.run / "records.csv"
+    if not path.is_file():
+        print(f"error: no records.csv in {args.run}", file=sys.stderr)
+        return 2
+    table = system_medians(read_records(path))
+    if table.empty:
+        print(f"error: {path} has no measured rows", file=sys.stderr)
+        return 2
+    with pd.option_context("display.width", 200, "display.max_columns", None):
+        print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
