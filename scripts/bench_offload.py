@@ -135,11 +135,14 @@ def _number_or_text(value: str) -> bool | int | float | str:
 
 
 def host_profile(system, prompt: torch.Tensor, new_tokens: int, path: Path, top: int = 30) -> None:
-    """One more generate() under cProfile: the host functions by own time, to `path` (and the top 12 printed)."""
+    """One more generate() under cProfile: the host functions by own time, then who called each host wait
+    (`synchronize`: an upload ring's buffer, a host read, a stream), to `path` (and the top 12 printed)."""
     profiler = cProfile.Profile()
     profiler.runcall(system.generate, prompt, new_tokens)
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(top)
+    stats.print_callers("synchronize")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text.getvalue())
     lines = [line for line in text.getvalue().splitlines() if line.strip()]

@@ -43,6 +43,15 @@ def test_repeats_decode_every_prompt_again_and_keep_the_spread():
     assert bench.summarize("specter", [runs[0], wrong], reference)["tokens_match_resident"] == 0.5
 
 
+def test_host_profile_lists_functions_and_the_callers_of_host_waits(tmp_path, capsys):
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(k=3, resident_experts_per_layer=2))
+    bench.host_profile(engine, prompt(), 6, tmp_path / "profile.txt")
+    text = (tmp_path / "profile.txt").read_text()
+    assert "tottime" in text and "was called by" in text  # the callers section, empty of waits on a CPU
+    assert "ncalls" in capsys.readouterr().out
+
+
 def test_bench_offload_rejects_zero_repeats(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_offload.py", "--repeats", "0"])
     with pytest.raises(SystemExit, match="--repeats must be at least 1, got 0"):
