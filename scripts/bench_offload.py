@@ -109,7 +109,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
            for phase in ("draft", "verify", "between")},
         **{f"copy_gap_{cause}_ms_per_token": mean(f"copy_gap_{cause}_ms") / mean("generated_tokens")
            for cause in ("slot", "host")},
-        "tokens_match_resident": sum(r["tokens"] == reference[i % len(reference)] for i, r in enumerate(runs)) / len(runs),
+        "tokens_match_resident": sum(r["tokens"] == reference[i % len(reference)]  # runs repeat the prompts
+                                     for i, r in enumerate(runs)) / len(runs),
     }
 
 
@@ -193,7 +194,8 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
     for label, system in systems if profile_to is not None else []:
         if isinstance(system, specter.SpecterEngine):
             print(f"   host profile: {label}", flush=True)
-            host_profile(system, prompts[0], new_tokens, profile_to / f"host_profile_{name}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}.txt")
+            safe_label = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)  # a variant's label holds '=' and ','
+            host_profile(system, prompts[0], new_tokens, profile_to / f"host_profile_{name}_{safe_label}.txt")
     for row in rows:
         row.update(model=name, weights=weights, mem=mem, slots=slots, k=row.pop("k", None) or k)
     del model, systems

@@ -12,10 +12,13 @@
 
 Prints the fitted RoutingProfile of each model (paste into specter/models/registry.py) and a table.
 With --check-only nothing is fitted: the registry's committed profile is built and measured (curves,
-and with --check-dtype acceptance and agreement).
+and with --check-dtype acceptance and agreement). With --factors the given factors (weight:run length
+pairs, `inf` for a popularity) replace step 1 and are built as they are (no corrections); step 2 fits
+their gain.
 
     python scripts/fit_calibration.py --models tiny-mixtral dsv2 --layers 4
     python scripts/fit_calibration.py --models dsv2 qwen --layers 0 --device cuda --check-only --check-dtype bfloat16
+    python scripts/fit_calibration.py --models phi --layers 1 --factors 5.623:1.34 0.49:7.92 4.186:44.33 2.098:inf
 """
 from __future__ import annotations
 
@@ -213,17 +216,21 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
 
 
 def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
-              dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1, step: float = 1.0) -> dict:
-    """Fit factors on the simulation, correct them `rounds` times by the build's measured offset from the
-    simulation (keeping the build closest to the target), optionally refine on the build itself (`direct`
-    evaluations), then fit the gain."""
+              dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1, step: float = 1.0,
+              factors: tuple | None = None) -> dict:
+    """Fit factors on the simulation (or take `factors` as given, with no corrections), correct them `rounds`
+    times by the build's measured offset from the simulation (keeping the build closest to the target),
+    optionally refine on the build itself (`direct` evaluations), then fit the gain."""
     spec = get_spec(name)
     real = REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])
     target = {p: v for p, v in reference_curves(real).items() if p in FIT_POINTS}
     config = hf_config(spec)
     experts, top_k, hidden = spec.num_experts, config.num_experts_per_tok, config.hidden_size
-    profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
-                                  embed_scale=embed_scale)
+    if factors is None:
+        profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
+                                      embed_scale=embed_scale)
+    else:
+        profile, rounds = RoutingProfile(factors, token_weight=1.0, accept_gain=1.0, embed_scale=embed_scale), 0
     profile, (model, prompts, walks, curves) = correct_by_builds(spec, layers, profile, target, rounds, per_dataset,
                                                                  seed, device, dtype, step)
     if direct:
@@ -258,6 +265,17 @@ def measure_committed(name: str, layers: int | None, per_dataset: int, seed: int
             "min_distinct_per_64": min(len(set(w[:64])) for w in walks)}
 
 
+def factor(text: str) -> tuple[float, float]:
+    """`weight:run_length` (run length `inf`: a popularity) as a (weight, run length) pair."""
+    try:
+        weight, run = (float(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a factor is WEIGHT:RUN_LENGTH, e.g. 0.8:50 or 0.6:inf; got {text!r}")
+    if weight < 0 or not run > 0:
+        raise argparse.ArgumentTypeError(f"a factor needs weight >= 0 and run length > 0; got {text!r}")
+    return weight, run
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny-mixtral", "dsv2", "qwen", "phi", "mixtral"])
@@ -275,6 +293,9 @@ def main(argv=None) -> None:
                         help="share of the build's error each correction moves the simulated target by")
     parser.add_argument("--check-only", action="store_true",
                         help="fit nothing: measure the registry's committed profile (and --check-dtype)")
+    parser.add_argument("--factors", nargs="+", type=factor, default=None, metavar="WEIGHT:RUN",
+                        help="build these routing factors as given (run length in tokens, inf: a popularity) "
+                             "and fit only their gain")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     parser.add_argument("--seed", type=int, default=0)
@@ -292,7 +313,7 @@ def main(argv=None) -> None:
             result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype))
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
-                               args.direct, args.rounds, args.step)
+                               args.direct, args.rounds, args.step, args.factors and tuple(args.factors))
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device)

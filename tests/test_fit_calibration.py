@@ -1,8 +1,10 @@
 """scripts/fit_calibration.py's correction rounds: the build's offset from the simulation corrects the fit,
 and the build closest to the real row is kept (a fake build and simulation, so no model is built)."""
 
+import numpy as np
 import pytest
 
+from experiments.locality import reference_curves
 from specter.models.calibrated import RoutingProfile
 from specter.models.registry import get_spec
 from tests.scripts import load_script
@@ -70,3 +72,35 @@ def test_fit_loss_penalises_the_largest_error():
     one_far = {p: v + (0.08 if p == ("LRU", 0.5) else 0.0) for p, v in TARGET.items()}  # same mean error
     assert fit.fit_loss(even, TARGET) == pytest.approx(0.02)
     assert fit.fit_loss(one_far, TARGET) > fit.fit_loss(even, TARGET) + 0.05
+
+
+def test_given_factors_are_built_as_they_are_and_only_their_gain_is_fitted(monkeypatch):
+    spec = get_spec("phi")
+    real = {p: v for p, v in reference_curves("Phi-3.5-MoE").items() if p in fit.FIT_POINTS}
+    built = []
+
+    def probe_build(spec_, layers, profile, per_dataset, seed, device, dtype):
+        built.append(profile)
+        return type("Model", (), {"spec": spec_})(), ["prompt"], [list(range(64))], dict(real)
+
+    monkeypatch.setattr(fit, "probe_build", probe_build)
+    monkeypatch.setattr(fit, "fit_factors", lambda *a: pytest.fail("fitted factors that were given"))
+    monkeypatch.setattr(fit, "rejection_ratios", lambda *a: np.linspace(0.0, 1.0, 101))
+    monkeypatch.setattr(fit, "moe_layer_count", lambda config: 4)
+    factors = ((5.0, 1.3), (2.0, float("inf")))
+    result = fit.fit_model(spec.name, 1, 1, 0, 12.0, rounds=3, factors=factors)
+    assert [p.factors for p in built] == [factors]  # one build, no correction rounds
+    assert result["profile"].factors == factors and result["profile"].embed_scale == 12.0
+    assert result["max_error"] == 0.0 and result["profile"].accept_gain > 0
+
+
+@pytest.mark.parametrize("text, pair", [("0.8:50", (0.8, 50.0)), ("2.098:inf", (2.098, float("inf")))])
+def test_factor_arguments_parse(text, pair):
+    assert fit.factor(text) == pair
+
+
+@pytest.mark.parametrize("text", ["0.8", "a:1", "0.8:0", "-1:5"])
+def test_bad_factor_arguments_are_one_line_errors(text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        fit.main(["--models", "phi", f"--factors={text}"])
+    assert exit_.value.code == 2 and "a factor" in capsys.readouterr().err

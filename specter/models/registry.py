@@ -200,9 +200,10 @@ _SPECS = [
              bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False),
         default_k=16, mem_presets={"high": 2, "low": 1}, hf_repo="microsoft/Phi-3.5-MoE-instruct",
         description="Phi-3.5-MoE (42B, 16 experts top-2, longrope)",
-        routing_profile=RoutingProfile(  # fitted on the CPU at 1 layer (float32, 6 prompts x 128 tokens): a dominant
-            # short-run factor raises LRU@0.5/LRU@1 to the real ~0.46; weights hand-tuned by simulation against two
-            # builds with these run lengths (results/reference/calibrated-fit/cpu-phi-1layer-s26.log)
+        routing_profile=RoutingProfile(  # on the CPU at 1 layer (float32, 6 prompts x 128 tokens): a dominant
+            # short-run factor brings LRU@0.5 / LRU@1 to 0.46 (real: 0.55); weights searched by simulation against
+            # builds with these run lengths (results/reference/calibrated-fit/cpu-phi-1layer-s26.log); measured and
+            # gain fitted by fit_calibration.py --models phi --layers 1 --factors 5.623:1.34 0.49:7.92 ...
             factors=((5.623, 1.34), (0.49, 7.92), (4.186, 44.33), (2.098, _INF)), token_weight=1.0,
             accept_gain=8.5798,
             embed_scale=12.0, target=(("LRU@0.5", 0.23), ("LRU@1", 0.42), ("LRU@2", 0.65), ("LRU@4", 0.85),
