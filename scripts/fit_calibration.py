@@ -38,15 +38,20 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from experiments.datasets import prompts_for  # noqa: E402
 from experiments.locality import REAL_NAMES, calibration_error, locality_curves, reference_curves  # noqa: E402
+from experiments.records import token_agreement  # noqa: E402
 from experiments.routing_trace import committed_routing  # noqa: E402
-from specter.models.calibrated import (TOP1_LOGIT, RoutingProfile,  # noqa: E402
-                                       acceptance_direction, moe_layer_count, routing_codes)
+from specter import SpecterConfig, SpecterEngine  # noqa: E402
+from specter.models.calibrated import (  # noqa: E402
+    TOP1_LOGIT,
+    RoutingProfile,
+    acceptance_direction,
+    moe_layer_count,
+    routing_codes,
+)
 from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config, with_layers  # noqa: E402
-from specter.models.tokenizer import ByteTokenizer  # noqa: E402
-from experiments.records import token_agreement  # noqa: E402
-from specter import SpecterConfig, SpecterEngine  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
+from specter.models.tokenizer import ByteTokenizer  # noqa: E402
 
 FIT_POINTS = (("LRU", 0.5), ("LRU", 1.0), ("LRU", 2.0), ("LRU", 4.0), ("Belady", 1.0), ("Belady", 2.0))
 TARGET_ACCEPTANCE = {"dsv2": 0.978, "qwen": 0.965, "phi": 0.965, "mixtral": 0.965}
@@ -218,7 +223,7 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
 def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
               dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1, step: float = 1.0,
               factors: tuple | None = None) -> dict:
-    """Fit factors on the simulation (or take `factors` as given, with no corrections), correct them `rounds`
+    """Fit factors on the simulation (or start from `factors` as given), correct them `rounds`
     times by the build's measured offset from the simulation (keeping the build closest to the target),
     optionally refine on the build itself (`direct` evaluations), then fit the gain."""
     spec = get_spec(name)
@@ -230,7 +235,7 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
         profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
                                       embed_scale=embed_scale)
     else:
-        profile, rounds = RoutingProfile(factors, token_weight=1.0, accept_gain=1.0, embed_scale=embed_scale), 0
+        profile = RoutingProfile(factors, token_weight=1.0, accept_gain=1.0, embed_scale=embed_scale)
     profile, (model, prompts, walks, curves) = correct_by_builds(spec, layers, profile, target, rounds, per_dataset,
                                                                  seed, device, dtype, step)
     if direct:
@@ -287,15 +292,16 @@ def main(argv=None) -> None:
                              "Specter's acceptance and agreement with the greedy target there")
     parser.add_argument("--direct", type=int, default=0,
                         help="then refine the factors on this many CPU builds (tiny models: seconds each)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="corrections of the simulated fit by the build's measured offset (a build each)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="corrections of the fit by the build's measured offset (a build each; default 1, "
+                             "0 with --factors)")
     parser.add_argument("--step", type=float, default=1.0,
                         help="share of the build's error each correction moves the simulated target by")
     parser.add_argument("--check-only", action="store_true",
                         help="fit nothing: measure the registry's committed profile (and --check-dtype)")
     parser.add_argument("--factors", nargs="+", type=factor, default=None, metavar="WEIGHT:RUN",
                         help="build these routing factors as given (run length in tokens, inf: a popularity) "
-                             "and fit only their gain")
+                             "and fit only their gain; with --rounds, start the corrections from them")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     parser.add_argument("--seed", type=int, default=0)
@@ -309,11 +315,12 @@ def main(argv=None) -> None:
         default = 2 if spec.name in ("phi", "mixtral") else 4
         layers = None if spec.is_tiny or args.layers == 0 else (args.layers or default)
         scale = args.embed_scale or (1.0 if spec.is_tiny else FULL_EMBED_SCALE)
+        rounds = args.rounds if args.rounds is not None else (0 if args.factors else 1)
         if args.check_only:
             result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype))
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
-                               args.direct, args.rounds, args.step, args.factors and tuple(args.factors))
+                               args.direct, rounds, args.step, args.factors and tuple(args.factors))
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device)

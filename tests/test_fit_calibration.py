@@ -88,10 +88,43 @@ def test_given_factors_are_built_as_they_are_and_only_their_gain_is_fitted(monke
     monkeypatch.setattr(fit, "rejection_ratios", lambda *a: np.linspace(0.0, 1.0, 101))
     monkeypatch.setattr(fit, "moe_layer_count", lambda config: 4)
     factors = ((5.0, 1.3), (2.0, float("inf")))
-    result = fit.fit_model(spec.name, 1, 1, 0, 12.0, rounds=3, factors=factors)
+    result = fit.fit_model(spec.name, 1, 1, 0, 12.0, rounds=0, factors=factors)
     assert [p.factors for p in built] == [factors]  # one build, no correction rounds
     assert result["profile"].factors == factors and result["profile"].embed_scale == 12.0
     assert result["max_error"] == 0.0 and result["profile"].accept_gain > 0
+
+
+def test_given_factors_start_the_corrections_when_rounds_are_asked(monkeypatch):
+    real = {p: v for p, v in reference_curves("Phi-3.5-MoE").items() if p in fit.FIT_POINTS}
+    far = {p: v - 0.1 for p, v in real.items()}
+    built, refit = [], RoutingProfile(((0.9, 5.0), (0.5, float("inf"))), 1.0, 1.0, 12.0)
+
+    def probe_build(spec_, layers, profile, per_dataset, seed, device, dtype):
+        built.append(profile.factors)
+        return type("Model", (), {"spec": spec_})(), ["prompt"], [list(range(64))], dict(far)
+
+    monkeypatch.setattr(fit, "probe_build", probe_build)
+    monkeypatch.setattr(fit, "simulated_curves", lambda *a: dict(real))
+    monkeypatch.setattr(fit, "fit_factors", lambda *a: refit)
+    monkeypatch.setattr(fit, "rejection_ratios", lambda *a: np.linspace(0.0, 1.0, 101))
+    monkeypatch.setattr(fit, "moe_layer_count", lambda config: 4)
+    factors = ((5.0, 1.3), (2.0, float("inf")))
+    fit.fit_model("phi", 1, 1, 0, 12.0, rounds=1, factors=factors)
+    assert built[:2] == [factors, refit.factors]  # the given factors first, then their correction
+
+
+@pytest.mark.parametrize("argv, rounds", [(["--factors", "0.8:50"], 0), (["--factors", "0.8:50", "--rounds", "2"], 2),
+                                          ([], 1)])
+def test_rounds_default_to_zero_for_given_factors_and_one_for_a_fit(argv, rounds, monkeypatch):
+    seen = []
+
+    def fit_model(name, layers, per_dataset, seed, scale, device, dtype, direct, rounds_, step, factors):
+        seen.append(rounds_)
+        return {"profile": None, "max_error": 0.0, "mean_error": 0.0, "min_distinct_per_64": 64, "measured": {}}
+
+    monkeypatch.setattr(fit, "fit_model", fit_model)
+    fit.main(["--models", "phi", *argv])
+    assert seen == [rounds]
 
 
 @pytest.mark.parametrize("text, pair", [("0.8:50", (0.8, 50.0)), ("2.098:inf", (2.098, float("inf")))])

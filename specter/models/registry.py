@@ -200,15 +200,15 @@ _SPECS = [
              bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False),
         default_k=16, mem_presets={"high": 2, "low": 1}, hf_repo="microsoft/Phi-3.5-MoE-instruct",
         description="Phi-3.5-MoE (42B, 16 experts top-2, longrope)",
-        routing_profile=RoutingProfile(  # on the CPU at 1 layer (float32, 6 prompts x 128 tokens): a dominant
-            # short-run factor brings LRU@0.5 / LRU@1 to 0.46 (real: 0.55); weights searched by simulation against
-            # builds with these run lengths (results/reference/calibrated-fit/cpu-phi-1layer-s26.log); measured and
-            # gain fitted by fit_calibration.py --models phi --layers 1 --factors 5.623:1.34 0.49:7.92 ...
-            factors=((5.623, 1.34), (0.49, 7.92), (4.186, 44.33), (2.098, _INF)), token_weight=1.0,
-            accept_gain=8.5798,
+        routing_profile=RoutingProfile(  # fitted at the real depth on an H200 (float16, 6 prompts x 128 tokens):
+            # fit_calibration.py --models phi --layers 0 --device cuda --dtype float16 --rounds 2, then --factors
+            # from its best round and --rounds 3 (results/reference/calibrated-fit/h200-phi-real-depth-s27*.log):
+            # max error 0.082, mean 0.061 (LRU 0.15 / 0.35 / 0.57 / 0.81 against 0.23 / 0.42 / 0.65 / 0.85: the
+            # corrections stall there), Specter's acceptance 0.964, tokens equal to the resident target's
+            factors=((1.0106, 6.2419), (0.8015, 50.706), (0.6041, _INF)), token_weight=1.0, accept_gain=7.7531,
             embed_scale=12.0, target=(("LRU@0.5", 0.23), ("LRU@1", 0.42), ("LRU@2", 0.65), ("LRU@4", 0.85),
                                       ("Belady@1", 0.59), ("Belady@2", 0.78)),
-            source="routing-locality.tsv: Phi-3.5-MoE; acceptance 0.965 (RTN, analytic at 1 layer)"),
+            source="routing-locality.tsv: Phi-3.5-MoE; acceptance 0.964 (RTN, measured at the real depth)"),
     ),
     ModelSpec(
         "mixtral", "mixtral",
@@ -218,7 +218,8 @@ _SPECS = [
              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
         default_k=8, mem_presets={"high": 4, "low": 2}, hf_repo="mistralai/Mixtral-8x7B-v0.1",
         description="Mixtral-8x7B (47B, 8 experts top-2)",
-        routing_profile=RoutingProfile(  # fitted on the CPU at 1 layer (float32, 6 prompts x 128 tokens, --rounds 4)
+        routing_profile=RoutingProfile(  # fitted on the CPU at 1 layer (float32, 6 prompts x 128 tokens, --rounds 4);
+            # at the real depth on an H200 (float16): max error 0.026, mean 0.014, Specter's acceptance 0.935
             factors=((0.5822, 2.9798), (0.4129, 54.970), (0.3092, _INF)), token_weight=1.0, accept_gain=10.695,
             embed_scale=12.0, target=_MIXTRAL_ROW,
             source="routing-locality.tsv: Mixtral-8x7B-v0.1; acceptance 0.965 (RTN, analytic at 1 layer)"),
