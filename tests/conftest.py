@@ -11,7 +11,8 @@ import specter
 from specter.models.loading import build_synthetic
 from specter.models.registry import TINY_MODELS, get_spec
 
-torch.set_num_threads(2)
+# one thread per pytest-xdist worker (the README runs two on two cores), two in a plain run
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,8 +52,14 @@ def prompt(text: str = "Natalia sold clips to 48 of her friends") -> torch.Tenso
     return torch.tensor([[256, *text.encode()]])
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the group marks
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu skip cleanly where there is no CUDA device (CI, CPU machines)."""
+    """Tests marked gpu skip cleanly where there is no CUDA device (CI, CPU machines). Under pytest-xdist
+    (`--dist loadgroup`), the kernel files' interpreter-subprocess tests share one worker, so that their one
+    interpreter run (`tests/triton_mode.py`, cached per process) is not repeated on every worker."""
+    for item in items:
+        if item.originalname == "test_interpreter_cases_in_subprocess":
+            item.add_marker(pytest.mark.xdist_group("triton_interpreter"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
