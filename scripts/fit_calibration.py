@@ -153,11 +153,15 @@ def probe_build(spec, layers: int | None, profile: RoutingProfile, per_dataset: 
 
 
 def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dataset: int, seed: int,
-                    evaluations: int) -> RoutingProfile:
-    """Nelder-Mead on the built model's own measured curves (small models: a build takes seconds)."""
+                    evaluations: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> RoutingProfile:
+    """Nelder-Mead on the built model's own measured curves (a build per evaluation: seconds for small models
+    on a CPU, about a minute for phi at its real depth on an H200). One build is alive at a time."""
     def loss(x):
         probe = dataclasses.replace(profile_from(x), accept_gain=1.0, embed_scale=profile.embed_scale)
-        return fit_loss(probe_build(spec, layers, probe, per_dataset, seed, "cpu", torch.float32)[3], target)
+        curves = probe_build(spec, layers, probe, per_dataset, seed, device, dtype)[3]
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return fit_loss(curves, target)
 
     (fast, fast_run), (slow, slow_run), (static, _) = profile.factors
     start = np.array([fast, slow, static, math.log(fast_run - 1), math.log(slow_run - 1)])
@@ -240,7 +244,7 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
                                                                  seed, device, dtype, step)
     if direct:
         del model
-        profile = refine_on_build(spec, layers, profile, target, per_dataset, seed, direct)
+        profile = refine_on_build(spec, layers, profile, target, per_dataset, seed, direct, device, dtype)
         model, prompts, walks, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
     ratios = np.concatenate([rejection_ratios(model, p, w, seed) for p, w in zip(prompts, walks)])
     n_moe = moe_layer_count(hf_config(model.spec))
@@ -291,7 +295,8 @@ def main(argv=None) -> None:
                         help="then build the fitted model at its real depth in this dtype on --device and report "
                              "Specter's acceptance and agreement with the greedy target there")
     parser.add_argument("--direct", type=int, default=0,
-                        help="then refine the factors on this many CPU builds (tiny models: seconds each)")
+                        help="then refine three factors on this many builds on --device in --dtype (tiny models "
+                             "on a CPU: seconds each; phi at its real depth on an H200: about a minute each)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="corrections of the fit by the build's measured offset (a build each; default 1, "
                              "0 with --factors)")

@@ -3,6 +3,7 @@ and the build closest to the real row is kept (a fake build and simulation, so n
 
 import numpy as np
 import pytest
+import torch
 
 from experiments.locality import reference_curves
 from specter.models.calibrated import RoutingProfile
@@ -137,3 +138,22 @@ def test_bad_factor_arguments_are_one_line_errors(text, capsys):
     with pytest.raises(SystemExit) as exit_:
         fit.main(["--models", "phi", f"--factors={text}"])
     assert exit_.value.code == 2 and "a factor" in capsys.readouterr().err
+
+
+def test_refining_on_builds_builds_on_the_given_device_and_dtype_and_moves_toward_the_target(monkeypatch):
+    """Each evaluation is a build on the device and in the dtype asked (a real-depth refine runs on a GPU);
+    the fake build's curves rise with the fast factor's weight, so the refined weight moves toward the target."""
+    real = {p: v for p, v in reference_curves("Phi-3.5-MoE").items() if p in fit.FIT_POINTS}
+    places = []
+
+    def probe_build(spec_, layers, profile, per_dataset, seed, device, dtype):
+        places.append((device, dtype))
+        fast = profile.factors[0][0]
+        return None, None, None, {p: v + 0.1 * (fast - 2.0) for p, v in real.items()}  # exact at fast = 2
+
+    monkeypatch.setattr(fit, "probe_build", probe_build)
+    start = RoutingProfile(((1.0, 6.0), (0.8, 50.0), (0.6, float("inf"))), 1.0, 1.0, 12.0)
+    refined = fit.refine_on_build(get_spec("phi"), None, start, real, 1, 0, 40, "meta", torch.float16)
+    assert set(places) == {("meta", torch.float16)} and len(places) <= 40
+    assert abs(refined.factors[0][0] - 2.0) < abs(start.factors[0][0] - 2.0)
+    assert refined.embed_scale == 12.0 and len(refined.factors) == 3
