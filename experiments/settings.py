@@ -15,7 +15,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.machine import load_note, machine_state
-
 from specter.config import SpecterConfig
 from specter.defaults import config_default
 from specter.errors import SpecterError

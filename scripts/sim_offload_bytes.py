@@ -31,15 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import specter  # noqa: E402
+from baselines.mixtral_offloading import MixtralOffloading, same_memory_slots  # noqa: E402
 from scripts.bench_offload import PROMPTS, parse_variant  # noqa: E402
-from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.calibrated import moe_layer_count  # noqa: E402
+from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.models.tokenizer import ByteTokenizer  # noqa: E402
-from specter.offload.expert_cache import CAUSES  # noqa: E402
-from baselines.mixtral_offloading import MixtralOffloading, same_memory_slots  # noqa: E402
 from specter.offload.budget import plan_memory  # noqa: E402
+from specter.offload.expert_cache import CAUSES  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 from specter.prefetch.planner import CostModel  # noqa: E402
 from specter.verify.host_experts import HostCost  # noqa: E402

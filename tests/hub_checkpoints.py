@@ -39,7 +39,6 @@ import torch
 from tests.hub_configs import ARCHS, INIT_STD, NUM_EXPERTS, NUM_SHARDS, generation_config, hub_config
 from tests.hub_tokenizers import write_tokenizer
 
-
 # --- weights ----------------------------------------------------------------------------------------------
 
 def _attention_shapes(arch: str, config: dict) -> dict[str, tuple[int, ...]]:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from specter.offload.draft_graph import DraftGraphCache, draft_step_fn
-from specter.speculative.state import new_static_cache
 from specter.prefetch.lookahead import ExpertLookaheadBuffer
+from specter.speculative.state import new_static_cache
 from tests.conftest import tiny_model
 
 

@@ -19,9 +19,9 @@ from baselines.export import save_checkpoint
 from baselines.target_only import TargetOnly
 from initialization import quantize_draft
 from specter.errors import SpecterError
+from specter.models.registry import PHI_LONG_FACTOR, PHI_MSCALE, PHI_SHORT_FACTOR
 from specter.models.tokenizer import ByteTokenizer
 from specter.quant.gptq import target_layer_weights
-from specter.models.registry import PHI_LONG_FACTOR, PHI_MSCALE, PHI_SHORT_FACTOR
 from tests.hub_checkpoints import drop_shard, read_index, shard_files, truncate_shard, write_hub_checkpoint
 from tests.hub_configs import ARCHS, DSV2_ROPE_SCALING, MODEL_TYPES, NUM_EXPERTS, REAL_VALUES
 from tests.hub_tokenizers import CORPUS, DSV2_BOS, DSV2_EOS, break_tokenizer, raw_tokenizer, tokenizer_files

@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.locality import (belady_victim_for, calibration_error, hit_rate, lfu_victim_for,
-                                  locality_curves, lookahead_victim_for, lru_victim, reference_curves)
+from experiments.locality import (
+    belady_victim_for,
+    calibration_error,
+    hit_rate,
+    lfu_victim_for,
+    locality_curves,
+    lookahead_victim_for,
+    lru_victim,
+    reference_curves,
+)
 
 
 def test_lru_looks_up_a_token_before_inserting_it():

@@ -2,8 +2,16 @@
 import pytest
 import torch
 
-from specter.quant.int4 import (GROUP_SIZE, dequantize, pack_codes, quantize_rtn, quantize_to_codes, select_expert,
-                                symmetric_scales, unpack_codes)
+from specter.quant.int4 import (
+    GROUP_SIZE,
+    dequantize,
+    pack_codes,
+    quantize_rtn,
+    quantize_to_codes,
+    select_expert,
+    symmetric_scales,
+    unpack_codes,
+)
 
 
 @pytest.mark.parametrize("shape", [(8, 128), (3, 16, 256), (2, 5, 384)])

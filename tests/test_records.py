@@ -46,8 +46,7 @@ def test_a_file_torn_inside_its_header_is_rewritten_on_resume(tmp_path, capsys):
 def test_the_printed_summary_counts_prompts_in_whole_numbers_and_explains_the_ratio():
     import pandas as pd
 
-    from experiments.records import format_table, summarize
-    from experiments.records import FIELDS
+    from experiments.records import FIELDS, format_table, summarize
     rows = [{**dict.fromkeys(FIELDS, ""), **row(system, 0), "prompt_id": p, "tpot_ms": tpot} for p in (0, 1)
             for system, tpot in (("specter", 10.0), ("target_only", 5.5))]
     summary = summarize(pd.DataFrame(rows))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specter.kernels.moe_align import Alignment, MoEWorkspace, scratch, moe_align_block_size
+from specter.kernels.moe_align import Alignment, MoEWorkspace, moe_align_block_size, scratch
 from specter.quant.int4 import PACK, Int4Linear
 
 try:

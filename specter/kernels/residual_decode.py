@@ -14,7 +14,7 @@ import torch
 
 from specter.kernels.launch import CompiledLaunch
 from specter.quant.int4 import Int4Linear
-from specter.quant.residual import MARGINS, RAW_CLASS, RAW_BITS
+from specter.quant.residual import MARGINS, RAW_BITS, RAW_CLASS
 from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_expert  # noqa: F401
 
 BLOCK_ROWS = 16

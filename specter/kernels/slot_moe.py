@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from specter.kernels.int4_moe import KernelConfig, MoEWorkspace, is_silu, scratch, moe_align_block_size
+from specter.kernels.int4_moe import KernelConfig, MoEWorkspace, is_silu, moe_align_block_size, scratch
 from specter.kernels.moe_align import Alignment, compiled_launch
 from specter.kernels.reference import expert_mlp
 
