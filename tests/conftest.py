@@ -11,7 +11,7 @@ import specter
 from specter.models.loading import build_synthetic
 from specter.models.registry import TINY_MODELS, get_spec
 
-# one thread per pytest-xdist worker (the README runs two on two cores), two in a plain run
+# one thread per pytest-xdist worker (the README runs one worker per core), two in a plain run
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(config, items):
     (`--dist loadgroup`), the kernel files' interpreter-subprocess tests share one worker, so that their one
     interpreter run (`tests/triton_mode.py`, cached per process) is not repeated on every worker."""
     for item in items:
-        if item.originalname == "test_interpreter_cases_in_subprocess":
+        if getattr(item, "originalname", None) == "test_interpreter_cases_in_subprocess":
             item.add_marker(pytest.mark.xdist_group("triton_interpreter"))
     if torch.cuda.is_available():
         return
