@@ -152,6 +152,15 @@ def probe_build(spec, layers: int | None, profile: RoutingProfile, per_dataset: 
     return model, prompts, walks, curves
 
 
+def lru_by_layer(model, prompts: list[torch.Tensor], walks: list[list[int]], rho: float = 1.0) -> list[float]:
+    """LRU hit rate at `rho` x top-k of each MoE layer over the committed walks: where locality thins with
+    depth (the curves above average the layers)."""
+    top_k = hf_config(model.spec).num_experts_per_tok
+    by_layer = list(zip(*(committed_routing(model, p, w) for p, w in zip(prompts, walks))))  # [layer][prompt]
+    return [round(locality_curves(list(traces), top_k, policies=("LRU",), rhos=(rho,))[("LRU", rho)], 3)
+            for traces in by_layer]
+
+
 def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dataset: int, seed: int,
                     evaluations: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> RoutingProfile:
     """Nelder-Mead on the built model's own measured curves (a build per evaluation: seconds for small models
@@ -251,10 +260,12 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
     accept_gain = fit_gain(ratios, TARGET_ACCEPTANCE.get(spec.name, 0.965)) * math.sqrt(n_moe)
     largest, mean = calibration_error(curves, target)
     distinct = min(len(set(w[:64])) for w in walks)
-    return {"model": spec.name, "real": real, "layers": layers, "profile": dataclasses.replace(
-        profile, accept_gain=round(accept_gain, 4), target=tuple((f"{p}@{r:g}", v) for (p, r), v in target.items()),
-        source=f"routing-locality.tsv: {real}"), "measured": {f"{p}@{r:g}": round(v, 3) for (p, r), v in curves.items()},
-        "max_error": round(largest, 3), "mean_error": round(mean, 3), "min_distinct_per_64": distinct}
+    fitted = dataclasses.replace(profile, accept_gain=round(accept_gain, 4), source=f"routing-locality.tsv: {real}",
+                                 target=tuple((f"{p}@{r:g}", v) for (p, r), v in target.items()))
+    return {"model": spec.name, "real": real, "layers": layers, "profile": fitted,
+            "measured": {f"{p}@{r:g}": round(v, 3) for (p, r), v in curves.items()},
+            "max_error": round(largest, 3), "mean_error": round(mean, 3), "min_distinct_per_64": distinct,
+            "lru1_by_layer": lru_by_layer(model, prompts, walks)}
 
 
 def measure_committed(name: str, layers: int | None, per_dataset: int, seed: int, device: str,
@@ -263,7 +274,8 @@ def measure_committed(name: str, layers: int | None, per_dataset: int, seed: int
     spec = get_spec(name)
     target = {p: v for p, v in reference_curves(REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])).items()
               if p in FIT_POINTS}
-    model, _, walks, curves = probe_build(spec, layers, spec.routing_profile, per_dataset, seed, device, dtype)
+    model, prompts, walks, curves = probe_build(spec, layers, spec.routing_profile, per_dataset, seed, device, dtype)
+    by_layer = lru_by_layer(model, prompts, walks)
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -271,7 +283,7 @@ def measure_committed(name: str, layers: int | None, per_dataset: int, seed: int
     return {"model": spec.name, "layers": layers, "profile": spec.routing_profile,
             "measured": {f"{p}@{r:g}": round(v, 3) for (p, r), v in curves.items()},
             "max_error": round(largest, 3), "mean_error": round(mean, 3),
-            "min_distinct_per_64": min(len(set(w[:64])) for w in walks)}
+            "min_distinct_per_64": min(len(set(w[:64])) for w in walks), "lru1_by_layer": by_layer}
 
 
 def factor(text: str) -> tuple[float, float]:
@@ -332,7 +344,7 @@ def main(argv=None) -> None:
         results.append(result)
         print(f"{name}: max error {result['max_error']}, mean {result['mean_error']}, "
               f"distinct/64 >= {result['min_distinct_per_64']}\n  measured {result['measured']}\n  {result['profile']}"
-              f"\n  check: {result.get('check')}",
+              f"\n  LRU@1 by MoE layer: {result.get('lru1_by_layer')}\n  check: {result.get('check')}",
               flush=True)
     if args.out:
         args.out.write_text(json.dumps([{**r, "profile": repr(r["profile"])} for r in results], indent=2))

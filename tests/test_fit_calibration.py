@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from experiments.datasets import data_dir
 from experiments.locality import reference_curves
 from specter.models.calibrated import RoutingProfile
 from specter.models.registry import get_spec
@@ -88,6 +89,7 @@ def test_given_factors_are_built_as_they_are_and_only_their_gain_is_fitted(monke
     monkeypatch.setattr(fit, "fit_factors", lambda *a: pytest.fail("fitted factors that were given"))
     monkeypatch.setattr(fit, "rejection_ratios", lambda *a: np.linspace(0.0, 1.0, 101))
     monkeypatch.setattr(fit, "moe_layer_count", lambda config: 4)
+    monkeypatch.setattr(fit, "lru_by_layer", lambda *a: [0.5])
     factors = ((5.0, 1.3), (2.0, float("inf")))
     result = fit.fit_model(spec.name, 1, 1, 0, 12.0, rounds=0, factors=factors)
     assert [p.factors for p in built] == [factors]  # one build, no correction rounds
@@ -109,6 +111,7 @@ def test_given_factors_start_the_corrections_when_rounds_are_asked(monkeypatch):
     monkeypatch.setattr(fit, "fit_factors", lambda *a: refit)
     monkeypatch.setattr(fit, "rejection_ratios", lambda *a: np.linspace(0.0, 1.0, 101))
     monkeypatch.setattr(fit, "moe_layer_count", lambda config: 4)
+    monkeypatch.setattr(fit, "lru_by_layer", lambda *a: [0.5])
     factors = ((5.0, 1.3), (2.0, float("inf")))
     fit.fit_model("phi", 1, 1, 0, 12.0, rounds=1, factors=factors)
     assert built[:2] == [factors, refit.factors]  # the given factors first, then their correction
@@ -157,3 +160,15 @@ def test_refining_on_builds_builds_on_the_given_device_and_dtype_and_moves_towar
     assert set(places) == {("meta", torch.float16)} and len(places) <= 40
     assert abs(refined.factors[0][0] - 2.0) < abs(start.factors[0][0] - 2.0)
     assert refined.embed_scale == 12.0 and len(refined.factors) == 3
+
+
+def test_lru_by_layer_gives_each_moe_layer_and_averages_to_the_overall_curve():
+    """Per-layer LRU@1 of a tiny calibrated build's committed routing: one value per MoE layer, whose mean is
+    the all-layer curve that the fit reports (every layer sees the same tokens)."""
+    if not (data_dir() / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip(f"the local datasets are not at {data_dir()} (set SPECTER_DATA to the shared data directory)")
+    spec = get_spec("tiny-mixtral")
+    model, prompts, walks, curves = fit.probe_build(spec, None, spec.routing_profile, 1, 0, "cpu", torch.float32)
+    by_layer = fit.lru_by_layer(model, prompts, walks)
+    assert len(by_layer) == model.num_moe_layers >= 2 and all(0.0 <= v <= 1.0 for v in by_layer)
+    assert np.mean(by_layer) == pytest.approx(curves[("LRU", 1.0)], abs=2e-3)
