@@ -269,18 +269,21 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
 
 
 def measure_committed(name: str, layers: int | None, per_dataset: int, seed: int, device: str,
-                      dtype: torch.dtype) -> dict:
-    """The registry's committed profile of `name`, built as is: its curves against the real row."""
+                      dtype: torch.dtype, clear_routing: bool = False) -> dict:
+    """The registry's committed profile of `name`, built as is (or with `clear_routing` set): its curves
+    against the real row."""
     spec = get_spec(name)
     target = {p: v for p, v in reference_curves(REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])).items()
               if p in FIT_POINTS}
-    model, prompts, walks, curves = probe_build(spec, layers, spec.routing_profile, per_dataset, seed, device, dtype)
+    profile = spec.routing_profile
+    profile = dataclasses.replace(profile, clear_routing=clear_routing or profile.clear_routing)
+    model, prompts, walks, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
     by_layer = lru_by_layer(model, prompts, walks)
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     largest, mean = calibration_error(curves, target)
-    return {"model": spec.name, "layers": layers, "profile": spec.routing_profile,
+    return {"model": spec.name, "layers": layers, "profile": profile,
             "measured": {f"{p}@{r:g}": round(v, 3) for (p, r), v in curves.items()},
             "max_error": round(largest, 3), "mean_error": round(mean, 3),
             "min_distinct_per_64": min(len(set(w[:64])) for w in walks), "lru1_by_layer": by_layer}
@@ -319,6 +322,9 @@ def main(argv=None) -> None:
     parser.add_argument("--factors", nargs="+", type=factor, default=None, metavar="WEIGHT:RUN",
                         help="build these routing factors as given (run length in tokens, inf: a popularity) "
                              "and fit only their gain; with --rounds, start the corrections from them")
+    parser.add_argument("--clear-routing", action="store_true",
+                        help="with --check-only: build the profile with clear_routing (no attention or expert "
+                             "output in the routing subspace)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     parser.add_argument("--seed", type=int, default=0)
@@ -326,6 +332,8 @@ def main(argv=None) -> None:
                         help="embedding RMS (default: 1 for tiny models, 12 for full-size ones)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.clear_routing and not args.check_only:
+        parser.error("--clear-routing needs --check-only (the fits build profiles without it)")
     results = []
     for name in args.models:
         spec = get_spec(name)
@@ -334,7 +342,8 @@ def main(argv=None) -> None:
         scale = args.embed_scale or (1.0 if spec.is_tiny else FULL_EMBED_SCALE)
         rounds = args.rounds if args.rounds is not None else (0 if args.factors else 1)
         if args.check_only:
-            result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype))
+            result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype),
+                                       args.clear_routing)
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
                                args.direct, rounds, args.step, args.factors and tuple(args.factors))

@@ -15,7 +15,7 @@ from experiments.datasets import data_dir, prompts_for
 from experiments.locality import calibration_error, locality_curves, reference_curves
 from experiments.routing_trace import committed_routing, topk_recall
 from specter.errors import SpecterError
-from specter.models.calibrated import acceptance_direction
+from specter.models.calibrated import LAYOUT_SEED, acceptance_direction, residual_layout, writes_cleared
 from specter.models.loading import build_synthetic, hf_config, with_layers
 from specter.models.registry import get_spec
 from specter.quant.gptq import quantize_experts_gptq
@@ -173,3 +173,35 @@ def test_depth_override_keeps_the_width():
     model = specter.load_model("tiny-mixtral", weights="calibrated", num_layers=2, device="cpu", dtype=torch.float32)
     assert model.num_moe_layers == 2 and model.spec.hf_config["num_hidden_layers"] == 2
     assert dataclasses.asdict(model.spec)["hf_config"]["hidden_size"] == 128
+
+
+@pytest.mark.parametrize("clear_routing", [False, True])
+def test_residual_writers_stay_out_of_g_and_with_clear_routing_out_of_the_routing_subspace(clear_routing):
+    """Every attention output and expert down projection of a calibrated build has no component along g;
+    with `clear_routing` none in the routing subspace either (without it, they do write there)."""
+    spec = get_spec("tiny-mixtral")
+    spec = dataclasses.replace(spec, routing_profile=dataclasses.replace(spec.routing_profile,
+                                                                         clear_routing=clear_routing))
+    model = build_synthetic(spec, torch.device("cpu"), torch.float32, seed=0, calibrated=True)
+    hidden = model.config.hidden_size
+    layout = residual_layout(hidden, torch.Generator().manual_seed(0 + LAYOUT_SEED))
+    writers = [(n, p) for n, p in model.named_parameters() if n.endswith(("o_proj.weight", "down_proj"))]
+    assert len(writers) >= 2 * model.config.num_hidden_layers
+    for name, param in writers:
+        out = param.movedim(1 if name.endswith("down_proj") else 0, -1)  # [..., H]
+        assert (out @ layout.g).abs().max() < 1e-5, name
+        into_routing = (out @ layout.routing).norm() / out.norm()
+        assert (into_routing < 1e-5) if clear_routing else (into_routing > 0.1), (name, float(into_routing))
+
+
+def test_writes_cleared_removes_the_routing_subspace_only_when_asked():
+    layout = residual_layout(64, torch.Generator().manual_seed(3))
+    weight = torch.randn(5, 64, 7)  # [E, H, I]
+    profile = get_spec("tiny-mixtral").routing_profile
+    kept = writes_cleared(layout, profile)(weight, 1)
+    cleared = writes_cleared(layout, dataclasses.replace(profile, clear_routing=True))(weight, 1)
+    for w in (kept, cleared):
+        assert (w.movedim(1, -1) @ layout.g).abs().max() < 1e-5
+    assert (kept.movedim(1, -1) @ layout.routing).abs().max() > 0.1
+    assert (cleared.movedim(1, -1) @ layout.routing).abs().max() < 1e-5
+    assert torch.allclose(cleared.movedim(1, -1) @ layout.token, weight.movedim(1, -1) @ layout.token, atol=1e-5)

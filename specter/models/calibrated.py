@@ -45,6 +45,8 @@ class RoutingProfile:
       blur the designed routing (and the smaller the INT4 error's share of the router input).
     target: the real model's row of routing-locality.tsv that the factors were fitted to, e.g.
       {"LRU@1": 0.28, ...}, and `source`: where that row comes from.
+    clear_routing: keep attention and expert outputs out of the routing subspace too (as out of g), so
+      every layer's routers read the embedding's routing part alone and locality does not thin with depth.
     """
 
     factors: tuple[tuple[float, float], ...]
@@ -53,6 +55,7 @@ class RoutingProfile:
     embed_scale: float = 1.0
     target: tuple[tuple[str, float], ...] = ()
     source: str = ""
+    clear_routing: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,23 @@ def remove_direction(weight: torch.Tensor, g: torch.Tensor, dim: int) -> torch.T
     return moved.movedim(-1, dim).to(weight.dtype)
 
 
+def remove_subspace(weight: torch.Tensor, basis: torch.Tensor, dim: int) -> torch.Tensor:
+    """`weight` with its components in the span of orthonormal `basis` [H, m] (over dimension `dim`) removed."""
+    basis = basis.to(weight.device, torch.float32)
+    moved = weight.float().movedim(dim, -1)  # [..., H]
+    moved = moved - (moved @ basis) @ basis.T
+    return moved.movedim(-1, dim).to(weight.dtype)
+
+
+def writes_cleared(layout: Layout, profile: RoutingProfile):
+    """`clear(weight, dim)`: a residual writer's weight with no full-precision write along g (and, with
+    `clear_routing`, none into the routing subspace); `dim` is the weight's output (hidden) dimension."""
+    def clear(weight: torch.Tensor, dim: int) -> torch.Tensor:
+        weight = remove_direction(weight, layout.g, dim)
+        return remove_subspace(weight, layout.routing, dim) if profile.clear_routing else weight
+    return clear
+
+
 def routers(hf_model: nn.Module, hidden: int) -> list[nn.Module]:
     """The router of every sparse-MoE block: the sibling of its routed experts with an [E, H] weight."""
     found = []
@@ -193,8 +213,8 @@ def routers(hf_model: nn.Module, hidden: int) -> list[nn.Module]:
 @torch.no_grad()
 def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], num_moe_layers: int,
               seed: int) -> torch.Tensor:
-    """Rewrite a seeded HF MoE model in place into the calibrated layout; returns the acceptance direction g
-    (routed experts added later, e.g. straight into host memory, must pass through `remove_direction`)."""
+    """Rewrite a seeded HF MoE model in place into the calibrated layout; returns `clear(weight, dim)`, which
+    routed experts added later (e.g. straight into host memory) must pass through (`writes_cleared`)."""
     generator = torch.Generator().manual_seed(seed + LAYOUT_SEED)
     embed = hf_model.get_input_embeddings().weight
     vocab, hidden = embed.shape
@@ -212,9 +232,10 @@ def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], n
         w = router.weight  # [E, H]: random rows inside the routing subspace
         rows = torch.randn(w.shape[0], layout.routing.shape[1], generator=generator) / math.sqrt(hidden)
         w.copy_((rows @ layout.routing.T).to(w.dtype))
+    clear = writes_cleared(layout, profile)
     for name, param in hf_model.named_parameters():  # every tensor that writes into the residual stream
         if name.endswith(RESIDUAL_WRITERS):  # Linear weight [H, in] or bias [H]
-            param.copy_(remove_direction(param, layout.g, dim=0))
+            param.copy_(clear(param, 0))
         elif name.endswith("down_proj"):  # routed experts [E, H, I]
-            param.copy_(remove_direction(param, layout.g, dim=1))
-    return layout.g
+            param.copy_(clear(param, 1))
+    return clear

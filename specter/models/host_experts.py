@@ -7,7 +7,7 @@ import torch
 import transformers
 from torch import nn
 
-from specter.models.calibrated import calibrate, moe_layer_count, remove_direction, routing_profile, special_ids
+from specter.models.calibrated import calibrate, moe_layer_count, routing_profile, special_ids
 from specter.models.hybrid import HybridMoEModel, hf_experts_modules, replace_module
 from specter.models.hybrid_experts import HybridExperts
 from specter.models.registry import ModelSpec
@@ -58,9 +58,9 @@ def build_synthetic_on_host(spec: ModelSpec, config: transformers.PretrainedConf
     hf_model.to_empty(device=device)
     torch.manual_seed(seed)
     hf_model.initialize_weights()
-    g = None
+    clear = None
     if calibrated:
-        g = calibrate(hf_model, routing_profile(spec), special_ids(config), moe_layer_count(config), seed)
+        clear = calibrate(hf_model, routing_profile(spec), special_ids(config), moe_layer_count(config), seed)
     store = HostExpertStore.for_experts(shells, dtype, device)
     generator = torch.Generator(device=device).manual_seed(seed)
     std = config.initializer_range
@@ -68,8 +68,8 @@ def build_synthetic_on_host(spec: ModelSpec, config: transformers.PretrainedConf
         e, h, i = shell.num_experts, shell.hidden_dim, shell.intermediate_dim
         gate_up = torch.randn(e, 2 * i, h, generator=generator, device=device, dtype=dtype) * std
         down = torch.randn(e, h, i, generator=generator, device=device, dtype=dtype) * std
-        if g is not None:
-            down = remove_direction(down, g, dim=1)  # [E, H, I]: no full-precision write along g
+        if clear is not None:
+            down = clear(down, 1)  # [E, H, I]: no full-precision write along g (nor, if cleared, into routing)
         install_layer(shell, store, gate_up, down, device)
         del gate_up, down
     return HybridMoEModel(hf_model.eval(), spec, tokenizer, shells, host_store=store)
