@@ -166,7 +166,8 @@ def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dat
     """Nelder-Mead on the built model's own measured curves (a build per evaluation: seconds for small models
     on a CPU, about a minute for phi at its real depth on an H200). One build is alive at a time."""
     def loss(x):
-        probe = dataclasses.replace(profile_from(x), accept_gain=1.0, embed_scale=profile.embed_scale)
+        probe = dataclasses.replace(profile_from(x), accept_gain=1.0, embed_scale=profile.embed_scale,
+                                    clear_routing=profile.clear_routing)
         curves = probe_build(spec, layers, probe, per_dataset, seed, device, dtype)[3]
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -175,7 +176,8 @@ def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dat
     (fast, fast_run), (slow, slow_run), (static, _) = profile.factors
     start = np.array([fast, slow, static, math.log(fast_run - 1), math.log(slow_run - 1)])
     best = minimize(loss, start, method="Nelder-Mead", options={"maxfev": evaluations, "xatol": 0.01})
-    return dataclasses.replace(profile_from(best.x), accept_gain=1.0, embed_scale=profile.embed_scale)
+    return dataclasses.replace(profile_from(best.x), accept_gain=1.0, embed_scale=profile.embed_scale,
+                               clear_routing=profile.clear_routing)
 
 
 @torch.inference_mode()
@@ -226,7 +228,8 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
         simulated = simulated_curves(profile, spec.num_experts, config.num_experts_per_tok, config.hidden_size)
         corrected = {p: simulated[p] + step * (v - curves[p]) for p, v in target.items()}
         profile = dataclasses.replace(fit_factors(corrected, spec.num_experts, config.num_experts_per_tok,
-                                                  config.hidden_size), accept_gain=1.0, embed_scale=profile.embed_scale)
+                                                  config.hidden_size), accept_gain=1.0, embed_scale=profile.embed_scale,
+                                      clear_routing=profile.clear_routing)
     if best[1] != rounds:
         build = None  # freed before the best is built again
         build = probe_build(spec, layers, best[2], per_dataset, seed, device, dtype)
@@ -235,10 +238,11 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
 
 def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
               dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1, step: float = 1.0,
-              factors: tuple | None = None) -> dict:
+              factors: tuple | None = None, clear_routing: bool = False) -> dict:
     """Fit factors on the simulation (or start from `factors` as given), correct them `rounds`
     times by the build's measured offset from the simulation (keeping the build closest to the target),
-    optionally refine on the build itself (`direct` evaluations), then fit the gain."""
+    optionally refine on the build itself (`direct` evaluations), then fit the gain. Every build keeps the
+    residual writers out of the routing subspace when `clear_routing` is set."""
     spec = get_spec(name)
     real = REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])
     target = {p: v for p, v in reference_curves(real).items() if p in FIT_POINTS}
@@ -246,9 +250,10 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
     experts, top_k, hidden = spec.num_experts, config.num_experts_per_tok, config.hidden_size
     if factors is None:
         profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
-                                      embed_scale=embed_scale)
+                                      embed_scale=embed_scale, clear_routing=clear_routing)
     else:
-        profile = RoutingProfile(factors, token_weight=1.0, accept_gain=1.0, embed_scale=embed_scale)
+        profile = RoutingProfile(factors, token_weight=1.0, accept_gain=1.0, embed_scale=embed_scale,
+                                 clear_routing=clear_routing)
     profile, (model, prompts, walks, curves) = correct_by_builds(spec, layers, profile, target, rounds, per_dataset,
                                                                  seed, device, dtype, step)
     if direct:
@@ -323,8 +328,8 @@ def main(argv=None) -> None:
                         help="build these routing factors as given (run length in tokens, inf: a popularity) "
                              "and fit only their gain; with --rounds, start the corrections from them")
     parser.add_argument("--clear-routing", action="store_true",
-                        help="with --check-only: build the profile with clear_routing (no attention or expert "
-                             "output in the routing subspace)")
+                        help="build with clear_routing (no attention or expert output in the routing subspace): "
+                             "the fitted profile, or with --check-only the registry's")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     parser.add_argument("--seed", type=int, default=0)
@@ -332,8 +337,6 @@ def main(argv=None) -> None:
                         help="embedding RMS (default: 1 for tiny models, 12 for full-size ones)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.clear_routing and not args.check_only:
-        parser.error("--clear-routing needs --check-only (the fits build profiles without it)")
     results = []
     for name in args.models:
         spec = get_spec(name)
@@ -346,7 +349,7 @@ def main(argv=None) -> None:
                                        args.clear_routing)
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
-                               args.direct, rounds, args.step, args.factors and tuple(args.factors))
+                               args.direct, rounds, args.step, args.factors and tuple(args.factors), args.clear_routing)
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device)
