@@ -47,6 +47,7 @@ from specter.models.calibrated import (  # noqa: E402
     acceptance_direction,
     moe_layer_count,
     routing_codes,
+    unit_rows,
 )
 from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config, with_layers  # noqa: E402
@@ -66,8 +67,14 @@ def simulated_curves(profile: RoutingProfile, experts: int, top_k: int, hidden: 
     d_r = max(8, hidden // 4)
     traces = []
     for _ in range(sequences):
-        codes = routing_codes(tokens, profile, d_r, generator)  # [T, d_r]
-        logits = codes @ torch.randn(experts, d_r, generator=generator).T  # [T, E]
+        if profile.token_pick:  # one layer's picks: a random expert's router row per token
+            rows = torch.randn(experts, d_r, generator=generator)
+            picks = unit_rows(rows[torch.randint(0, experts, (tokens,), generator=generator)])  # [T, d_r]
+            codes = routing_codes(tokens, profile, d_r, generator, picks)  # [T, d_r]
+        else:
+            codes = routing_codes(tokens, profile, d_r, generator)  # [T, d_r]
+            rows = torch.randn(experts, d_r, generator=generator)
+        logits = codes @ rows.T  # [T, E]
         traces.append(logits.topk(top_k, dim=1).indices.tolist())
     return locality_curves(traces, top_k, policies=("LRU", "Belady"), rhos=(0.5, 1.0, 2.0, 4.0))
 
@@ -78,16 +85,27 @@ def profile_from(x: np.ndarray) -> RoutingProfile:
                                    (float(static), math.inf)), token_weight=1.0, accept_gain=0.0)
 
 
-def fit_factors(target: dict, experts: int, top_k: int, hidden: int) -> RoutingProfile:
-    """Factor weights and run lengths whose simulated curves match `target` (grid, then Nelder-Mead)."""
-    def loss(x):
-        return fit_loss(simulated_curves(profile_from(x), experts, top_k, hidden), target)
+def built_like(fitted: RoutingProfile, profile: RoutingProfile) -> RoutingProfile:
+    """`fitted`'s factors with `profile`'s build settings (embedding scale, cleared routing, token pick), no gain."""
+    return dataclasses.replace(fitted, accept_gain=1.0, embed_scale=profile.embed_scale,
+                               clear_routing=profile.clear_routing, token_pick=profile.token_pick)
 
-    grid = [np.array([f, s, st, math.log(lf - 1), math.log(ls - 1)]) for f in (0.3, 0.6, 1.0)
-            for s in (0.0, 0.4, 0.8) for st in (0.0, 0.3, 0.6) for lf in (1.5, 3.0, 6.0) for ls in (15.0, 50.0)]
+
+def fit_factors(target: dict, experts: int, top_k: int, hidden: int, token_pick: float = 0.0) -> RoutingProfile:
+    """Factor weights and run lengths whose simulated curves match `target` (grid, then Nelder-Mead), with
+    `token_pick` held fixed."""
+    def loss(x):
+        profile = dataclasses.replace(profile_from(x), token_pick=token_pick)
+        return fit_loss(simulated_curves(profile, experts, top_k, hidden), target)
+
+    wide = 2.0 if token_pick else 1.0  # a pick takes rank 1 often: rank 2's locality needs stronger factors
+    fast = (0.3, 0.6, 1.0, 2.0) if token_pick else (0.3, 0.6, 1.0)
+    grid = [np.array([f, s, st, math.log(lf - 1), math.log(ls - 1)]) for f in fast
+            for s in (0.0, 0.4 * wide, 0.8 * wide) for st in (0.0, 0.3 * wide, 0.6 * wide)
+            for lf in (1.5, 3.0, 6.0) for ls in (15.0, 50.0)]
     start = min(grid, key=loss)
     best = minimize(loss, start, method="Nelder-Mead", options={"maxfev": 150, "xatol": 0.01, "fatol": 1e-4})
-    return profile_from(best.x)
+    return dataclasses.replace(profile_from(best.x), token_pick=token_pick)
 
 
 def local_prompts(tokenizer, per_dataset: int, prefix: int = 16) -> list[torch.Tensor]:
@@ -166,8 +184,7 @@ def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dat
     """Nelder-Mead on the built model's own measured curves (a build per evaluation: seconds for small models
     on a CPU, about a minute for phi at its real depth on an H200). One build is alive at a time."""
     def loss(x):
-        probe = dataclasses.replace(profile_from(x), accept_gain=1.0, embed_scale=profile.embed_scale,
-                                    clear_routing=profile.clear_routing)
+        probe = built_like(profile_from(x), profile)
         curves = probe_build(spec, layers, probe, per_dataset, seed, device, dtype)[3]
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -176,8 +193,7 @@ def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dat
     (fast, fast_run), (slow, slow_run), (static, _) = profile.factors
     start = np.array([fast, slow, static, math.log(fast_run - 1), math.log(slow_run - 1)])
     best = minimize(loss, start, method="Nelder-Mead", options={"maxfev": evaluations, "xatol": 0.01})
-    return dataclasses.replace(profile_from(best.x), accept_gain=1.0, embed_scale=profile.embed_scale,
-                               clear_routing=profile.clear_routing)
+    return built_like(profile_from(best.x), profile)
 
 
 @torch.inference_mode()
@@ -227,9 +243,8 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
             torch.cuda.empty_cache()
         simulated = simulated_curves(profile, spec.num_experts, config.num_experts_per_tok, config.hidden_size)
         corrected = {p: simulated[p] + step * (v - curves[p]) for p, v in target.items()}
-        profile = dataclasses.replace(fit_factors(corrected, spec.num_experts, config.num_experts_per_tok,
-                                                  config.hidden_size), accept_gain=1.0, embed_scale=profile.embed_scale,
-                                      clear_routing=profile.clear_routing)
+        profile = built_like(fit_factors(corrected, spec.num_experts, config.num_experts_per_tok,
+                                         config.hidden_size, profile.token_pick), profile)
     if best[1] != rounds:
         build = None  # freed before the best is built again
         build = probe_build(spec, layers, best[2], per_dataset, seed, device, dtype)
@@ -238,22 +253,22 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
 
 def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
               dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1, step: float = 1.0,
-              factors: tuple | None = None, clear_routing: bool = False) -> dict:
+              factors: tuple | None = None, clear_routing: bool = False, token_pick: float = 0.0) -> dict:
     """Fit factors on the simulation (or start from `factors` as given), correct them `rounds`
     times by the build's measured offset from the simulation (keeping the build closest to the target),
     optionally refine on the build itself (`direct` evaluations), then fit the gain. Every build keeps the
-    residual writers out of the routing subspace when `clear_routing` is set."""
+    residual writers out of the routing subspace when `clear_routing` is set, and picks at `token_pick`."""
     spec = get_spec(name)
     real = REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])
     target = {p: v for p, v in reference_curves(real).items() if p in FIT_POINTS}
     config = hf_config(spec)
     experts, top_k, hidden = spec.num_experts, config.num_experts_per_tok, config.hidden_size
     if factors is None:
-        profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden), accept_gain=1.0,
+        profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden, token_pick), accept_gain=1.0,
                                       embed_scale=embed_scale, clear_routing=clear_routing)
     else:
         profile = RoutingProfile(factors, token_weight=1.0, accept_gain=1.0, embed_scale=embed_scale,
-                                 clear_routing=clear_routing)
+                                 clear_routing=clear_routing, token_pick=token_pick)
     profile, (model, prompts, walks, curves) = correct_by_builds(spec, layers, profile, target, rounds, per_dataset,
                                                                  seed, device, dtype, step)
     if direct:
@@ -274,14 +289,15 @@ def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_
 
 
 def measure_committed(name: str, layers: int | None, per_dataset: int, seed: int, device: str,
-                      dtype: torch.dtype, clear_routing: bool = False) -> dict:
-    """The registry's committed profile of `name`, built as is (or with `clear_routing` set): its curves
-    against the real row."""
+                      dtype: torch.dtype, clear_routing: bool = False, token_pick: float | None = None) -> dict:
+    """The registry's committed profile of `name`, built as is (or with `clear_routing` set, or another
+    `token_pick`): its curves against the real row."""
     spec = get_spec(name)
     target = {p: v for p, v in reference_curves(REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])).items()
               if p in FIT_POINTS}
     profile = spec.routing_profile
-    profile = dataclasses.replace(profile, clear_routing=clear_routing or profile.clear_routing)
+    profile = dataclasses.replace(profile, clear_routing=clear_routing or profile.clear_routing,
+                                  token_pick=profile.token_pick if token_pick is None else token_pick)
     model, prompts, walks, curves = probe_build(spec, layers, profile, per_dataset, seed, device, dtype)
     by_layer = lru_by_layer(model, prompts, walks)
     del model
@@ -330,6 +346,9 @@ def main(argv=None) -> None:
     parser.add_argument("--clear-routing", action="store_true",
                         help="build with clear_routing (no attention or expert output in the routing subspace): "
                              "the fitted profile, or with --check-only the registry's")
+    parser.add_argument("--token-pick", type=float, default=None, metavar="WEIGHT",
+                        help="build with this token pick (RoutingProfile.token_pick): the fitted profile's "
+                             "(default 0), or with --check-only instead of the registry's")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     parser.add_argument("--seed", type=int, default=0)
@@ -346,10 +365,11 @@ def main(argv=None) -> None:
         rounds = args.rounds if args.rounds is not None else (0 if args.factors else 1)
         if args.check_only:
             result = measure_committed(name, layers, args.prompts, args.seed, args.device, getattr(torch, args.dtype),
-                                       args.clear_routing)
+                                       args.clear_routing, args.token_pick)
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
-                               args.direct, rounds, args.step, args.factors and tuple(args.factors), args.clear_routing)
+                               args.direct, rounds, args.step, args.factors and tuple(args.factors), args.clear_routing,
+                               args.token_pick or 0.0)
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device)

@@ -15,9 +15,18 @@ from experiments.datasets import data_dir, prompts_for
 from experiments.locality import calibration_error, locality_curves, reference_curves
 from experiments.routing_trace import committed_routing, topk_recall
 from specter.errors import SpecterError
-from specter.models.calibrated import LAYOUT_SEED, acceptance_direction, residual_layout, writes_cleared
+from specter.models.calibrated import (
+    LAYOUT_SEED,
+    acceptance_direction,
+    orthonormal_router_rows,
+    residual_layout,
+    token_picks,
+    writes_cleared,
+)
 from specter.models.loading import build_synthetic, hf_config, with_layers
+from specter.models.hybrid import hybridize
 from specter.models.registry import get_spec
+from specter.models.tokenizer import ByteTokenizer
 from specter.quant.gptq import quantize_experts_gptq
 
 FIT_POINTS = (("LRU", 0.5), ("LRU", 1.0), ("LRU", 2.0), ("LRU", 4.0), ("Belady", 1.0), ("Belady", 2.0))
@@ -205,3 +214,42 @@ def test_writes_cleared_removes_the_routing_subspace_only_when_asked():
     assert (kept.movedim(1, -1) @ layout.routing).abs().max() > 0.1
     assert (cleared.movedim(1, -1) @ layout.routing).abs().max() < 1e-5
     assert torch.allclose(cleared.movedim(1, -1) @ layout.token, weight.movedim(1, -1) @ layout.token, atol=1e-5)
+
+
+def test_token_picks_push_one_expert_of_every_layer():
+    rows = orthonormal_router_rows(3, 4, 16, torch.Generator().manual_seed(0))  # [L, E, d_r]
+    assert torch.allclose(rows.reshape(12, 16) @ rows.reshape(12, 16).T, torch.eye(12), atol=1e-5)
+    picks = token_picks(10, rows, torch.Generator().manual_seed(1))  # [T, d_r]
+    reads = torch.einsum("td,led->tle", picks, rows)  # [T, L, E]: what each layer's routers read of a pick
+    assert torch.allclose(reads.sum(-1), torch.ones(10, 3), atol=1e-5)
+    assert torch.allclose(reads.amax(-1), torch.ones(10, 3), atol=1e-5)
+    assert len({tuple(r) for r in reads.argmax(-1).tolist()}) > 1  # random experts, per token and layer
+    with pytest.raises(SpecterError, match="token_pick needs MoE layers x experts"):
+        orthonormal_router_rows(5, 4, 16, torch.Generator())
+
+
+def reuse_by_rank(traces) -> list[float]:
+    """P(the rank-r expert of token t is among token t+1's experts), for each rank r."""
+    reused = np.zeros(len(traces[0][0]))
+    pairs = 0
+    for trace in traces:
+        for now, after in zip(trace, trace[1:]):
+            reused += [e in after for e in now]
+            pairs += 1
+    return list(reused / pairs)
+
+
+@pytest.mark.parametrize("token_pick", [0.0, 3.0])
+def test_a_token_pick_makes_the_second_ranked_expert_the_more_reused(token_pick):
+    """Phi-3.5-MoE's row: the next token reuses a token's second-ranked expert more often than its first.
+    A strong pick takes rank 1 (a random expert per token), leaving rank 2 to the slowly varying part."""
+    spec = get_spec("tiny-mixtral")
+    profile = dataclasses.replace(spec.routing_profile, factors=((1.0, 30.0),), token_weight=0.3,
+                                  clear_routing=True, token_pick=token_pick)
+    spec = dataclasses.replace(spec, routing_profile=profile)
+    model = hybridize(build_synthetic(spec, torch.device("cpu"), torch.float32, 0, calibrated=True), spec,
+                      ByteTokenizer(spec.hf_config["vocab_size"]))
+    prompt = torch.tensor([model.tokenizer("def f(x):")["input_ids"]])
+    traces = committed_routing(model, prompt, greedy(model, prompt, 96))
+    first, second = reuse_by_rank(traces)
+    assert (second > first + 0.2) if token_pick else (first > second + 0.1), (first, second)

@@ -47,6 +47,10 @@ class RoutingProfile:
       {"LRU@1": 0.28, ...}, and `source`: where that row comes from.
     clear_routing: keep attention and expert outputs out of the routing subspace too (as out of g), so
       every layer's routers read the embedding's routing part alone and locality does not thin with depth.
+    token_pick: weight of each token's own pick, a push toward one random expert in every MoE layer (router
+      rows are then mutually orthonormal, which needs MoE layers x experts <= H/4). The pick tends to take
+      rank 1, leaving rank 2 to the slowly varying part: a second-ranked expert more often reused by the
+      next token than the first, as in Phi-3.5-MoE (0 = no pick; the routers are then random rows).
     """
 
     factors: tuple[tuple[float, float], ...]
@@ -56,6 +60,7 @@ class RoutingProfile:
     target: tuple[tuple[str, float], ...] = ()
     source: str = ""
     clear_routing: bool = False
+    token_pick: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,22 +140,43 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def routing_codes(cycle_len: int, profile: RoutingProfile, d_r: int, generator: torch.Generator) -> torch.Tensor:
-    """[cycle_len, d_r] unit routing vectors along the cycle: weighted factor vectors plus each token's own."""
+def routing_codes(cycle_len: int, profile: RoutingProfile, d_r: int, generator: torch.Generator,
+                  picks: torch.Tensor | None = None) -> torch.Tensor:
+    """[cycle_len, d_r] unit routing vectors along the cycle: weighted factor vectors plus each token's own
+    (and, given `picks` [cycle_len, d_r], `token_pick` times each token's pick)."""
     codes = profile.token_weight * unit_rows(torch.randn(cycle_len, d_r, generator=generator))
     for weight, mean_run in profile.factors:
         run = runs(cycle_len, mean_run, generator)
         factor = unit_rows(torch.randn(int(run[-1]) + 1, d_r, generator=generator))
         codes += weight * factor[run]
-    return unit_rows(codes)
+    if picks is None:
+        return unit_rows(codes)
+    return unit_rows(unit_rows(codes) + profile.token_pick * picks)
+
+
+def orthonormal_router_rows(layers: int, experts: int, d_r: int, generator: torch.Generator) -> torch.Tensor:
+    """[layers, E, d_r]: router rows of every MoE layer, all mutually orthonormal."""
+    if layers * experts > d_r:
+        raise SpecterError(f"token_pick needs MoE layers x experts ({layers} x {experts}) <= {d_r} routing "
+                           "dimensions; use a profile without token_pick")
+    q, _ = torch.linalg.qr(torch.randn(d_r, layers * experts, generator=generator))  # [d_r, L*E]
+    return q.T.reshape(layers, experts, d_r)
+
+
+def token_picks(positions: int, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """[positions, d_r]: per position, the sum over layers of the router row of one random expert each."""
+    layers, experts, _ = rows.shape
+    picked = torch.randint(0, experts, (positions, layers), generator=generator)  # [T, L]
+    return rows[torch.arange(layers), picked].sum(dim=1)  # [T, L, d_r] -> [T, d_r]
 
 
 def calibrated_embeddings(vocab: int, cycle: torch.Tensor, layout: Layout, profile: RoutingProfile,
-                          generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                          generator: torch.Generator, picks: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding [V, H], token vectors [V, d_t]); rows have RMS embed_scale, no component along g or ones."""
     d_r, d_t = layout.routing.shape[1], layout.token.shape[1]
     route = unit_rows(torch.randn(vocab, d_r, generator=generator))  # special ids: random routing
-    route[cycle] = routing_codes(len(cycle), profile, d_r, generator)
+    route[cycle] = routing_codes(len(cycle), profile, d_r, generator, picks)
     token = unit_rows(torch.randn(vocab, d_t, generator=generator))  # [V, d_t]
     hidden = layout.g.shape[0]
     embed = profile.embed_scale * math.sqrt(hidden) * (math.sqrt(1 - TOKEN_SHARE) * route @ layout.routing.T
@@ -220,7 +246,14 @@ def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], n
     vocab, hidden = embed.shape
     layout = residual_layout(hidden, generator)
     cycle = walk_cycle(vocab, special, generator)
-    embedding, token = calibrated_embeddings(vocab, cycle, layout, profile, generator)
+    moe_routers = routers(hf_model, hidden)
+    picked_rows, picks = None, None
+    if profile.token_pick and moe_routers:  # a stream of its own: builds without a pick draw exactly as before
+        pick_generator = torch.Generator().manual_seed(seed + LAYOUT_SEED + 1)
+        picked_rows = orthonormal_router_rows(len(moe_routers), moe_routers[0].weight.shape[0],
+                                              layout.routing.shape[1], pick_generator)  # [L, E, d_r]
+        picks = token_picks(len(cycle), picked_rows, pick_generator)
+    embedding, token = calibrated_embeddings(vocab, cycle, layout, profile, generator, picks)
     embed.copy_(embedding.to(embed.dtype))
     del embedding
     head = hf_model.get_output_embeddings()
@@ -228,9 +261,11 @@ def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], n
     head.weight.copy_(calibrated_lm_head(vocab, cycle, token, layout, gain, generator).to(head.weight.dtype))
     if getattr(head, "bias", None) is not None:
         head.bias.zero_()
-    for router in routers(hf_model, hidden):
+    for index, router in enumerate(moe_routers):
         w = router.weight  # [E, H]: random rows inside the routing subspace
         rows = torch.randn(w.shape[0], layout.routing.shape[1], generator=generator) / math.sqrt(hidden)
+        if picked_rows is not None:  # the same norm as a random row's
+            rows = picked_rows[index] * math.sqrt(layout.routing.shape[1] / hidden)
         w.copy_((rows @ layout.routing.T).to(w.dtype))
     clear = writes_cleared(layout, profile)
     for name, param in hf_model.named_parameters():  # every tensor that writes into the residual stream
