@@ -1,9 +1,9 @@
 """Fit the calibrated weights' RoutingProfile of each model to the real checkpoint's measurements.
 
 1. Routing factors: the hit-rate curves of the calibrated routers are simulated directly from the layout
-   (`routing_codes` seen through random router rows in the routing subspace), and the factor weights and
-   run lengths are fitted to the real model's row of routing-locality.tsv (LRU at rho 0.5/1/2/4, Belady at
-   rho 1/2).
+   (`simulated_routing`: the routing codes seen through router rows in the routing subspace), and the factor
+   weights and run lengths are fitted to the real model's row of routing-locality.tsv (LRU at rho 0.5/1/2/4,
+   Belady at rho 1/2).
 2. Acceptance gain: a reduced-depth calibrated build decodes the local datasets' prompts; one draft-mode
    forward over each committed sequence gives the draft's component along the acceptance direction, and
    the target's top-1/runner-up gaps give the gain at which the draft would reject the wanted fraction of
@@ -46,8 +46,7 @@ from specter.models.calibrated import (  # noqa: E402
     RoutingProfile,
     acceptance_direction,
     moe_layer_count,
-    routing_codes,
-    unit_rows,
+    simulated_routing,
 )
 from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config, with_layers  # noqa: E402
@@ -65,17 +64,7 @@ def simulated_curves(profile: RoutingProfile, experts: int, top_k: int, hidden: 
     """Hit rates of the calibrated routing, simulated from the layout without building a model."""
     generator = torch.Generator().manual_seed(seed)
     d_r = max(8, hidden // 4)
-    traces = []
-    for _ in range(sequences):
-        if profile.token_pick:  # one layer's picks: a random expert's router row per token
-            rows = torch.randn(experts, d_r, generator=generator)
-            picks = unit_rows(rows[torch.randint(0, experts, (tokens,), generator=generator)])  # [T, d_r]
-            codes = routing_codes(tokens, profile, d_r, generator, picks)  # [T, d_r]
-        else:
-            codes = routing_codes(tokens, profile, d_r, generator)  # [T, d_r]
-            rows = torch.randn(experts, d_r, generator=generator)
-        logits = codes @ rows.T  # [T, E]
-        traces.append(logits.topk(top_k, dim=1).indices.tolist())
+    traces = [simulated_routing(tokens, profile, experts, top_k, d_r, 1, generator)[0] for _ in range(sequences)]
     return locality_curves(traces, top_k, policies=("LRU", "Belady"), rhos=(0.5, 1.0, 2.0, 4.0))
 
 

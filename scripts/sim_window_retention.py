@@ -25,22 +25,21 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specter.models.calibrated import routing_codes  # noqa: E402
+from specter.models.calibrated import simulated_routing  # noqa: E402
 from specter.models.loading import hf_config  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 
 POLICIES = ("last_loaded", "most_frequent", "most_recent_use", "oracle_next")
 
 
-def simulated_routing(name: str, layers: int, tokens: int, seed: int) -> list[list[list[int]]]:
+def model_routing(name: str, layers: int, tokens: int, seed: int) -> list[list[list[int]]]:
     """[layers][tokens][top_k] expert ids of the model's calibrated routing simulation."""
     spec = get_spec(name)
     config = hf_config(spec)
     generator = torch.Generator().manual_seed(seed)
     d_r = max(8, config.hidden_size // 4)
-    codes = routing_codes(tokens, spec.routing_profile, d_r, generator)  # [T, d_r]
-    return [(codes @ torch.randn(spec.num_experts, d_r, generator=generator).T).topk(config.num_experts_per_tok, 1)
-            .indices.tolist() for _ in range(layers)]
+    return simulated_routing(tokens, spec.routing_profile, spec.num_experts, config.num_experts_per_tok, d_r, layers,
+                             generator)
 
 
 def kept_after(policy: str, window: list[list[int]], resident: set, slots: int, next_window: list[list[int]]) -> set:
@@ -91,7 +90,7 @@ def main(argv=None) -> None:
     if len(args.slots) != len(args.models):
         parser.error("give one --slots value per model")
     for name, slots in zip(args.models, args.slots):
-        routing = simulated_routing(name, args.layers, args.tokens, args.seed)
+        routing = model_routing(name, args.layers, args.tokens, args.seed)
         for window in args.windows:
             loads = {p: statistics.mean(loads_per_window(t, slots, window, p) for t in routing) for p in POLICIES}
             base = loads["last_loaded"]

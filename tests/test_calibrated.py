@@ -23,8 +23,8 @@ from specter.models.calibrated import (
     token_picks,
     writes_cleared,
 )
-from specter.models.loading import build_synthetic, hf_config, with_layers
 from specter.models.hybrid import hybridize
+from specter.models.loading import build_synthetic, hf_config, with_layers
 from specter.models.registry import get_spec
 from specter.models.tokenizer import ByteTokenizer
 from specter.quant.gptq import quantize_experts_gptq

@@ -1,13 +1,15 @@
 """scripts/fit_calibration.py's correction rounds: the build's offset from the simulation corrects the fit,
 and the build closest to the real row is kept (a fake build and simulation, so no model is built)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from experiments.datasets import data_dir
 from experiments.locality import reference_curves
-from specter.models.calibrated import RoutingProfile
+from specter.models.calibrated import RoutingProfile, simulated_routing
 from specter.models.registry import get_spec
 from tests.scripts import load_script
 
@@ -122,13 +124,48 @@ def test_given_factors_start_the_corrections_when_rounds_are_asked(monkeypatch):
 def test_rounds_default_to_zero_for_given_factors_and_one_for_a_fit(argv, rounds, monkeypatch):
     seen = []
 
-    def fit_model(name, layers, per_dataset, seed, scale, device, dtype, direct, rounds_, step, factors):
+    def fit_model(name, layers, per_dataset, seed, scale, device, dtype, direct, rounds_, step, factors,
+                  clear_routing, token_pick):
         seen.append(rounds_)
         return {"profile": None, "max_error": 0.0, "mean_error": 0.0, "min_distinct_per_64": 64, "measured": {}}
 
     monkeypatch.setattr(fit, "fit_model", fit_model)
     fit.main(["--models", "phi", *argv])
     assert seen == [rounds]
+
+
+@pytest.mark.parametrize("argv, settings", [([], (False, 0.0)), (["--clear-routing", "--token-pick", "0.06"],
+                                                                 (True, 0.06))])
+def test_clear_routing_and_token_pick_reach_the_fit(argv, settings, monkeypatch):
+    seen = []
+
+    def fit_model(*args):
+        seen.append(args[-2:])
+        return {"profile": None, "max_error": 0.0, "mean_error": 0.0, "min_distinct_per_64": 64, "measured": {}}
+
+    monkeypatch.setattr(fit, "fit_model", fit_model)
+    fit.main(["--models", "phi", *argv])
+    assert seen == [settings]
+
+
+def test_every_build_of_a_fit_keeps_the_profiles_build_settings():
+    """Corrections and refinements refit the factors only: cleared routing and the token pick stay."""
+    start = RoutingProfile(((0.5, 3.0),), token_weight=1.0, accept_gain=2.0, embed_scale=12.0, clear_routing=True,
+                           token_pick=0.06)
+    kept = fit.built_like(RoutingProfile(((0.9, 9.0),), token_weight=1.0, accept_gain=0.0), start)
+    assert kept.factors == ((0.9, 9.0),) and kept.accept_gain == 1.0
+    assert (kept.embed_scale, kept.clear_routing, kept.token_pick) == (12.0, True, 0.06)
+
+
+def test_the_simulation_with_a_token_pick_reuses_rank_two_more_than_rank_one():
+    profile = RoutingProfile(((1.6, 60.0), (1.2, float("inf"))), token_weight=1.0, accept_gain=0.0)
+    reuse = {}
+    for pick in (0.0, 0.08):
+        routing = simulated_routing(256, dataclasses.replace(profile, token_pick=pick), 16, 2, 1024, 1,
+                                    torch.Generator().manual_seed(0))[0]  # [T][k]
+        pairs = list(zip(routing, routing[1:]))
+        reuse[pick] = [sum(now[r] in after for now, after in pairs) / len(pairs) for r in (0, 1)]
+    assert reuse[0.0][0] > reuse[0.0][1] and reuse[0.08][1] > reuse[0.08][0], reuse
 
 
 @pytest.mark.parametrize("text, pair", [("0.8:50", (0.8, 50.0)), ("2.098:inf", (2.098, float("inf")))])

@@ -170,6 +170,21 @@ def token_picks(positions: int, rows: torch.Tensor, generator: torch.Generator) 
     return rows[torch.arange(layers), picked].sum(dim=1)  # [T, L, d_r] -> [T, d_r]
 
 
+def simulated_routing(tokens: int, profile: RoutingProfile, experts: int, top_k: int, d_r: int, layers: int,
+                      generator: torch.Generator) -> list[list[list[int]]]:
+    """[layers][tokens][top_k] expert ids (rank order) of the calibrated routing, simulated without a model:
+    one walk's routing codes through each layer's router rows (random rows, or with `token_pick` the
+    build's orthonormal rows and per-layer picks)."""
+    rows, picks = None, None
+    if profile.token_pick:
+        rows = orthonormal_router_rows(layers, experts, d_r, generator)  # [L, E, d_r]
+        picks = token_picks(tokens, rows, generator)
+    codes = routing_codes(tokens, profile, d_r, generator, picks)  # [T, d_r]
+    if rows is None:
+        rows = torch.stack([torch.randn(experts, d_r, generator=generator) for _ in range(layers)])
+    return [(codes @ layer_rows.T).topk(top_k, dim=1).indices.tolist() for layer_rows in rows]
+
+
 def calibrated_embeddings(vocab: int, cycle: torch.Tensor, layout: Layout, profile: RoutingProfile,
                           generator: torch.Generator, picks: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:

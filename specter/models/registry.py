@@ -201,15 +201,16 @@ _SPECS = [
         default_k=16, mem_presets={"high": 2, "low": 1}, hf_repo="microsoft/Phi-3.5-MoE-instruct",
         description="Phi-3.5-MoE (42B, 16 experts top-2, longrope)",
         routing_profile=RoutingProfile(  # fitted at the real depth on an H200 (float16, 6 prompts x 128 tokens):
-            # fit_calibration.py --models phi --layers 0 --device cuda --dtype float16 --clear-routing --factors
-            # (session 27's) --rounds 2, best round 0 (results/reference/calibrated-fit/h200-phi-real-depth-s28*.log):
-            # max error 0.059, mean 0.014 (LRU 0.17 / 0.42 / 0.65 / 0.86 against 0.23 / 0.42 / 0.65 / 0.85; LRU@0.5
-            # is the one point off: see design.md), Specter's acceptance 0.959, tokens equal to the resident target's
-            factors=((1.0106, 6.2419), (0.8015, 50.706), (0.6041, _INF)), token_weight=1.0, accept_gain=7.6126,
+            # factors fitted on the simulation with token_pick 0.06, the slow and popularity weights then x1.3
+            # (48-sequence simulation plus the build's measured offset), built by fit_calibration.py --models phi
+            # --layers 0 --device cuda --dtype float16 --clear-routing --token-pick 0.06 --factors ... --rounds 0
+            # (results/reference/calibrated-fit/h200-phi-real-depth-s28-fit-pick.log): max error 0.019, mean
+            # 0.014, Specter's acceptance 0.959, tokens equal to the resident target's
+            factors=((0.3055, 1.5194), (2.1141, 58.6346), (1.5785, _INF)), token_weight=1.0, accept_gain=8.0942,
             embed_scale=12.0, target=(("LRU@0.5", 0.23), ("LRU@1", 0.42), ("LRU@2", 0.65), ("LRU@4", 0.85),
                                       ("Belady@1", 0.59), ("Belady@2", 0.78)),
             source="routing-locality.tsv: Phi-3.5-MoE; acceptance 0.959 (RTN, measured at the real depth)",
-            clear_routing=True),
+            clear_routing=True, token_pick=0.06),
     ),
     ModelSpec(
         "mixtral", "mixtral",
