@@ -52,6 +52,7 @@ from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config, with_layers  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.models.tokenizer import ByteTokenizer  # noqa: E402
+from specter.quant.gptq import quantize_experts_gptq  # noqa: E402
 
 FIT_POINTS = (("LRU", 0.5), ("LRU", 1.0), ("LRU", 2.0), ("LRU", 4.0), ("Belady", 1.0), ("Belady", 2.0))
 TARGET_ACCEPTANCE = {"dsv2": 0.978, "qwen": 0.965, "phi": 0.965, "mixtral": 0.965}
@@ -186,20 +187,34 @@ def refine_on_build(spec, layers, profile: RoutingProfile, target: dict, per_dat
 
 
 @torch.inference_mode()
-def check_in(dtype: torch.dtype, spec, profile: RoutingProfile, per_dataset: int, seed: int, device: str) -> dict:
-    """The fitted build at its real depth in `dtype`: Specter's acceptance and agreement with greedy target."""
-    fitted = dataclasses.replace(spec, routing_profile=profile)
+def decode_check(model, prompts: list[torch.Tensor], walks: list[list[int]]) -> tuple[float, float]:
+    """(Specter's mean acceptance at K=8, its mean token agreement with the greedy target's `walks`)."""
+    engine = SpecterEngine(model, SpecterConfig(k=8))
+    results = [engine.generate(prompt.to(model.device), 128) for prompt in prompts]
+    return (round(float(np.mean([r.stats["acceptance_rate"] for r in results])), 4),
+            round(float(np.mean([token_agreement(r.token_ids, w) for r, w in zip(results, walks)])), 4))
+
+
+def check_in(dtype: torch.dtype, spec, profile: RoutingProfile, per_dataset: int, seed: int, device: str,
+             gptq: bool = False, layers: int | None = None) -> dict:
+    """The fitted build at its real depth (or `layers` deep) in `dtype`: Specter's acceptance and agreement
+    with greedy target (RTN draft; with `gptq` also a GPTQ draft calibrated on the walks of the next
+    `per_dataset` prompts of each dataset, which the check does not decode)."""
+    fitted = dataclasses.replace(with_layers(spec, layers), routing_profile=profile)
     model = hybridize(build_synthetic(fitted, torch.device(device), dtype, seed, calibrated=True), fitted,
                       ByteTokenizer(fitted.hf_config["vocab_size"]))
-    engine = SpecterEngine(model, SpecterConfig(k=8))
-    accepted, agree = [], []
-    for prompt in local_prompts(model.tokenizer, per_dataset):
-        walk = greedy_walk(model, prompt, 128)
-        result = engine.generate(prompt.to(model.device), 128)
-        accepted.append(result.stats["acceptance_rate"])
-        agree.append(token_agreement(result.token_ids, walk))
-    return {"dtype": str(dtype).removeprefix("torch."), "acceptance": round(float(np.mean(accepted)), 4),
-            "token_agreement": round(float(np.mean(agree)), 4)}
+    span = 2 * per_dataset if gptq else per_dataset
+    prompts = local_prompts(model.tokenizer, span)  # per dataset: `span` prompts, the first `per_dataset` checked
+    checked = [p for i, p in enumerate(prompts) if i % span < per_dataset]
+    walks = [greedy_walk(model, p, 128) for p in checked]
+    acceptance, agreement = decode_check(model, checked, walks)
+    out = {"dtype": str(dtype).removeprefix("torch."), "acceptance": acceptance, "token_agreement": agreement}
+    if gptq:
+        calibration = [p for i, p in enumerate(prompts) if i % span >= per_dataset]
+        ids = [torch.cat([p, torch.tensor([greedy_walk(model, p, 128)])], dim=1) for p in calibration]  # [1, T]
+        quantize_experts_gptq(model, ids)
+        out["gptq_acceptance"], out["gptq_token_agreement"] = decode_check(model, checked, walks)
+    return out
 
 
 def fit_loss(curves: dict, target: dict) -> float:
@@ -316,9 +331,13 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=None, help="depth of the full-size probes (default 4; phi "
                         "and mixtral 2; 0 = the real depth)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--check-dtype", choices=("float16", "bfloat16"), default=None,
+    parser.add_argument("--check-dtype", choices=("float16", "bfloat16", "float32"), default=None,
                         help="then build the fitted model at its real depth in this dtype on --device and report "
                              "Specter's acceptance and agreement with the greedy target there")
+    parser.add_argument("--check-gptq", action="store_true",
+                        help="with --check-dtype: also a GPTQ draft's acceptance (calibrated on other prompts)")
+    parser.add_argument("--check-layers", type=int, default=None,
+                        help="with --check-dtype: build the check this many layers deep (default: the real depth)")
     parser.add_argument("--direct", type=int, default=0,
                         help="then refine three factors on this many builds on --device in --dtype (tiny models "
                              "on a CPU: seconds each; phi at its real depth on an H200: about a minute each)")
@@ -361,7 +380,7 @@ def main(argv=None) -> None:
                                args.token_pick or 0.0)
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
-                                       args.seed, args.device)
+                                       args.seed, args.device, args.check_gptq, args.check_layers)
         results.append(result)
         print(f"{name}: max error {result['max_error']}, mean {result['mean_error']}, "
               f"distinct/64 >= {result['min_distinct_per_64']}\n  measured {result['measured']}\n  {result['profile']}"
