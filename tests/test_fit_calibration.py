@@ -209,3 +209,23 @@ def test_lru_by_layer_gives_each_moe_layer_and_averages_to_the_overall_curve():
     by_layer = fit.lru_by_layer(model, prompts, walks)
     assert len(by_layer) == model.num_moe_layers >= 2 and all(0.0 <= v <= 1.0 for v in by_layer)
     assert np.mean(by_layer) == pytest.approx(curves[("LRU", 1.0)], abs=2e-3)
+
+
+@pytest.mark.slow
+def test_the_check_measures_a_gptq_draft_calibrated_on_prompts_it_does_not_decode(monkeypatch):
+    if not (data_dir() / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip(f"the local datasets are not at {data_dir()} (set SPECTER_DATA to the shared data directory)")
+    spec = get_spec("tiny-mixtral")
+    calibrated_on, real_quantize = [], fit.quantize_experts_gptq
+
+    def quantize(model, ids):
+        calibrated_on.extend(ids)
+        return real_quantize(model, ids)
+
+    monkeypatch.setattr(fit, "quantize_experts_gptq", quantize)
+    check = fit.check_in(torch.float32, spec, spec.routing_profile, 1, 0, "cpu", gptq=True, layers=2)
+    assert check["token_agreement"] == check["gptq_token_agreement"] == 1.0
+    assert 0.9 <= check["acceptance"] <= 1.0 and 0.9 <= check["gptq_acceptance"] <= 1.0, check
+    two_each = fit.local_prompts(fit.ByteTokenizer(spec.hf_config["vocab_size"]), 2)  # [gsm8k 0, 1, wikitext2 0, ...]
+    assert [ids[:, :16].tolist() for ids in calibrated_on] == [p.tolist() for p in two_each[1::2]]  # the 2nd ones
+    assert all(ids.shape[1] == 16 + 128 for ids in calibrated_on)  # with their walks
