@@ -81,12 +81,13 @@ def built_like(fitted: RoutingProfile, profile: RoutingProfile) -> RoutingProfil
                                clear_routing=profile.clear_routing, token_pick=profile.token_pick)
 
 
-def fit_factors(target: dict, experts: int, top_k: int, hidden: int, token_pick: float = 0.0) -> RoutingProfile:
+def fit_factors(target: dict, experts: int, top_k: int, hidden: int, token_pick: float = 0.0,
+                sequences: int = 8) -> RoutingProfile:
     """Factor weights and run lengths whose simulated curves match `target` (grid, then Nelder-Mead), with
-    `token_pick` held fixed."""
+    `token_pick` held fixed, on `sequences` simulated walks of 128 tokens."""
     def loss(x):
         profile = dataclasses.replace(profile_from(x), token_pick=token_pick)
-        return fit_loss(simulated_curves(profile, experts, top_k, hidden), target)
+        return fit_loss(simulated_curves(profile, experts, top_k, hidden, sequences), target)
 
     wide = 2.0 if token_pick else 1.0  # a pick takes rank 1 often: rank 2's locality needs stronger factors
     fast = (0.3, 0.6, 1.0, 2.0) if token_pick else (0.3, 0.6, 1.0)
@@ -224,10 +225,11 @@ def fit_loss(curves: dict, target: dict) -> float:
 
 
 def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, rounds: int, per_dataset: int, seed: int,
-                      device: str, dtype: torch.dtype, step: float = 1.0):
+                      device: str, dtype: torch.dtype, step: float = 1.0, sim_sequences: int = 8):
     """(profile, probe build) closest to `target` among `profile` and `rounds` corrections of it: each
-    refits the simulation to its last curves moved `step` times the last build's error (1: the target
-    shifted by the build's offset from the simulation; less damps a build that overreacts).
+    refits the simulation (`sim_sequences` walks) to its last curves moved `step` times the last build's
+    error (1: the target shifted by the build's offset from the simulation; less damps a build that
+    overreacts).
     One build is alive at a time (a full-width build takes most of a small machine's memory): the best is
     built again at the end unless it is the last."""
     config = hf_config(spec)
@@ -245,10 +247,11 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
         build = None
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        simulated = simulated_curves(profile, spec.num_experts, config.num_experts_per_tok, config.hidden_size)
+        simulated = simulated_curves(profile, spec.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                     sim_sequences)
         corrected = {p: simulated[p] + step * (v - curves[p]) for p, v in target.items()}
         profile = built_like(fit_factors(corrected, spec.num_experts, config.num_experts_per_tok,
-                                         config.hidden_size, profile.token_pick), profile)
+                                         config.hidden_size, profile.token_pick, sim_sequences), profile)
     if best[1] != rounds:
         build = None  # freed before the best is built again
         build = probe_build(spec, layers, best[2], per_dataset, seed, device, dtype)
@@ -257,24 +260,26 @@ def correct_by_builds(spec, layers, profile: RoutingProfile, target: dict, round
 
 def fit_model(name: str, layers: int | None, per_dataset: int, seed: int, embed_scale: float, device: str = "cpu",
               dtype: torch.dtype = torch.float32, direct: int = 0, rounds: int = 1, step: float = 1.0,
-              factors: tuple | None = None, clear_routing: bool = False, token_pick: float = 0.0) -> dict:
+              factors: tuple | None = None, clear_routing: bool = False, token_pick: float = 0.0,
+              sim_sequences: int = 8) -> dict:
     """Fit factors on the simulation (or start from `factors` as given), correct them `rounds`
     times by the build's measured offset from the simulation (keeping the build closest to the target),
     optionally refine on the build itself (`direct` evaluations), then fit the gain. Every build keeps the
-    residual writers out of the routing subspace when `clear_routing` is set, and picks at `token_pick`."""
+    residual writers out of the routing subspace when `clear_routing` is set, and picks at `token_pick`.
+    The simulation averages `sim_sequences` walks of 128 tokens (8: up to 0.02 per point between seeds)."""
     spec = get_spec(name)
     real = REAL_NAMES.get(spec.name, REAL_NAMES["mixtral"])
     target = {p: v for p, v in reference_curves(real).items() if p in FIT_POINTS}
     config = hf_config(spec)
     experts, top_k, hidden = spec.num_experts, config.num_experts_per_tok, config.hidden_size
     if factors is None:
-        profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden, token_pick), accept_gain=1.0,
-                                      embed_scale=embed_scale, clear_routing=clear_routing)
+        profile = dataclasses.replace(fit_factors(target, experts, top_k, hidden, token_pick, sim_sequences),
+                                      accept_gain=1.0, embed_scale=embed_scale, clear_routing=clear_routing)
     else:
         profile = RoutingProfile(factors, token_weight=1.0, accept_gain=1.0, embed_scale=embed_scale,
                                  clear_routing=clear_routing, token_pick=token_pick)
     profile, (model, prompts, walks, curves) = correct_by_builds(spec, layers, profile, target, rounds, per_dataset,
-                                                                 seed, device, dtype, step)
+                                                                 seed, device, dtype, step, sim_sequences)
     if direct:
         del model
         profile = refine_on_build(spec, layers, profile, target, per_dataset, seed, direct, device, dtype)
@@ -357,6 +362,8 @@ def main(argv=None) -> None:
     parser.add_argument("--token-pick", type=float, default=None, metavar="WEIGHT",
                         help="build with this token pick (RoutingProfile.token_pick): the fitted profile's "
                              "(default 0), or with --check-only instead of the registry's")
+    parser.add_argument("--sim-sequences", type=int, default=8,
+                        help="walks of 128 tokens the routing simulation averages (more: steadier, slower fits)")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per dataset")
     parser.add_argument("--seed", type=int, default=0)
@@ -364,6 +371,8 @@ def main(argv=None) -> None:
                         help="embedding RMS (default: 1 for tiny models, 12 for full-size ones)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.sim_sequences < 1:
+        parser.error("--sim-sequences must be at least 1")
     results = []
     for name in args.models:
         spec = get_spec(name)
@@ -377,7 +386,7 @@ def main(argv=None) -> None:
         else:
             result = fit_model(name, layers, args.prompts, args.seed, scale, args.device, getattr(torch, args.dtype),
                                args.direct, rounds, args.step, args.factors and tuple(args.factors), args.clear_routing,
-                               args.token_pick or 0.0)
+                               args.token_pick or 0.0, args.sim_sequences)
         if args.check_dtype:
             result["check"] = check_in(getattr(torch, args.check_dtype), spec, result["profile"], args.prompts,
                                        args.seed, args.device, args.check_gptq, args.check_layers)

@@ -125,7 +125,7 @@ def test_rounds_default_to_zero_for_given_factors_and_one_for_a_fit(argv, rounds
     seen = []
 
     def fit_model(name, layers, per_dataset, seed, scale, device, dtype, direct, rounds_, step, factors,
-                  clear_routing, token_pick):
+                  clear_routing, token_pick, sim_sequences):
         seen.append(rounds_)
         return {"profile": None, "max_error": 0.0, "mean_error": 0.0, "min_distinct_per_64": 64, "measured": {}}
 
@@ -134,13 +134,13 @@ def test_rounds_default_to_zero_for_given_factors_and_one_for_a_fit(argv, rounds
     assert seen == [rounds]
 
 
-@pytest.mark.parametrize("argv, settings", [([], (False, 0.0)), (["--clear-routing", "--token-pick", "0.06"],
-                                                                 (True, 0.06))])
-def test_clear_routing_and_token_pick_reach_the_fit(argv, settings, monkeypatch):
+@pytest.mark.parametrize("argv, settings", [([], (False, 0.0, 8)), (["--clear-routing", "--token-pick", "0.06",
+                                                                  "--sim-sequences", "48"], (True, 0.06, 48))])
+def test_clear_routing_token_pick_and_simulation_size_reach_the_fit(argv, settings, monkeypatch):
     seen = []
 
     def fit_model(*args):
-        seen.append(args[-2:])
+        seen.append(args[-3:])
         return {"profile": None, "max_error": 0.0, "mean_error": 0.0, "min_distinct_per_64": 64, "measured": {}}
 
     monkeypatch.setattr(fit, "fit_model", fit_model)
@@ -171,6 +171,12 @@ def test_the_simulation_with_a_token_pick_reuses_rank_two_more_than_rank_one():
 @pytest.mark.parametrize("text, pair", [("0.8:50", (0.8, 50.0)), ("2.098:inf", (2.098, float("inf")))])
 def test_factor_arguments_parse(text, pair):
     assert fit.factor(text) == pair
+
+
+def test_an_empty_simulation_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fit.main(["--models", "phi", "--sim-sequences", "0"])
+    assert exit_info.value.code == 2 and "--sim-sequences must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["0.8", "a:1", "0.8:0", "-1:5"])
