@@ -18,6 +18,7 @@ Routers, attention and experts are otherwise the HF model's seeded random weight
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -228,7 +229,7 @@ def remove_subspace(weight: torch.Tensor, basis: torch.Tensor, dim: int) -> torc
     return moved.movedim(-1, dim).to(weight.dtype)
 
 
-def writes_cleared(layout: Layout, profile: RoutingProfile):
+def writes_cleared(layout: Layout, profile: RoutingProfile) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """`clear(weight, dim)`: a residual writer's weight with no full-precision write along g (and, with
     `clear_routing`, none into the routing subspace); `dim` is the weight's output (hidden) dimension."""
     def clear(weight: torch.Tensor, dim: int) -> torch.Tensor:
@@ -253,7 +254,7 @@ def routers(hf_model: nn.Module, hidden: int) -> list[nn.Module]:
 
 @torch.no_grad()
 def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], num_moe_layers: int,
-              seed: int) -> torch.Tensor:
+              seed: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """Rewrite a seeded HF MoE model in place into the calibrated layout; returns `clear(weight, dim)`, which
     routed experts added later (e.g. straight into host memory) must pass through (`writes_cleared`)."""
     generator = torch.Generator().manual_seed(seed + LAYOUT_SEED)
