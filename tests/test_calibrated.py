@@ -20,9 +20,11 @@ from specter.models.calibrated import (
     acceptance_direction,
     orthonormal_router_rows,
     residual_layout,
+    routers,
     token_picks,
     writes_cleared,
 )
+from specter.models.host_experts import build_synthetic_on_host
 from specter.models.hybrid import hybridize
 from specter.models.loading import build_synthetic, hf_config, with_layers
 from specter.models.registry import get_spec
@@ -176,6 +178,28 @@ def test_experts_built_straight_into_host_memory_walk_the_same_cycle():
     g = acceptance_direction(host.hf.config.hidden_size, seed=0)
     down = host.host_store.layer_weights(0)[1]  # [E, H, I]
     assert torch.einsum("h,ehi->ei", g, down.float()).abs().max() < 1e-5
+
+
+def test_host_built_experts_follow_cleared_routing_and_token_picks():
+    """The experts-on-host build lays out routers and embeddings as the resident build does, and its host
+    experts' down projections leave the routing subspace too."""
+    spec = get_spec("tiny-mixtral")
+    spec = dataclasses.replace(spec, routing_profile=dataclasses.replace(spec.routing_profile, clear_routing=True,
+                                                                         token_pick=0.5))
+    words = ByteTokenizer(spec.hf_config["vocab_size"])
+    resident = build_synthetic(spec, torch.device("cpu"), torch.float32, 0, calibrated=True)
+    host = build_synthetic_on_host(spec, hf_config(spec), words, torch.device("cpu"), torch.float32, 0, True)
+    hidden = resident.config.hidden_size
+    assert torch.equal(resident.get_input_embeddings().weight, host.hf.get_input_embeddings().weight)
+    pairs = list(zip(routers(resident, hidden), routers(host.hf, hidden)))
+    assert len(pairs) == resident.config.num_hidden_layers
+    assert all(torch.equal(a.weight, b.weight) for a, b in pairs)
+    rows = torch.cat([b.weight for _, b in pairs])  # [L*E, H]: mutually orthogonal with a pick
+    gram = rows @ rows.T
+    assert torch.allclose(gram, torch.diag(torch.diag(gram)), atol=1e-6)
+    layout = residual_layout(hidden, torch.Generator().manual_seed(0 + LAYOUT_SEED))
+    down = host.host_store.layer_weights(0)[1].float()  # [E, H, I]
+    assert torch.einsum("hr,ehi->eri", layout.routing, down).abs().max() < 1e-5
 
 
 def test_depth_override_keeps_the_width():
