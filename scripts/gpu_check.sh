@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
-#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|spread|report|batch|llamacpp|hostcost ...]
+#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|spread|calibration|report|batch|llamacpp|hostcost ...]
 #   (default: tests profile overlap kernel offload, in this order)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes (PROFILE_ARGS=--compile
 # adds the torch.compile'd step beside it: compile time, same tokens, replay ratio); overlap: when the copy
@@ -44,6 +44,9 @@
 # spread: calibrated dsv2 mem=low, K=32 (SPREAD_MEM, SPREAD_K), the built-in prompts decoded 3 times each
 # (SPREAD_REPEATS) by Specter and the three options of issue 21 (residual transfer, draft-ahead, draft_compile),
 # TPOT min-max per system and a host profile of one more decode of each (bench_offload.py --repeats).
+# calibration: each of CAL_MODELS (default "phi mixtral") calibrated at its real depth in fp16, the registry's
+# profile as committed: routing against the real row, Specter's acceptance with RTN and GPTQ drafts
+# (fit_calibration.py --check-only --check-gptq, CAL_PROMPTS per dataset, default 1).
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -93,6 +96,13 @@ for step in "${STEPS[@]}"; do
               --weights calibrated --repeats "${SPREAD_REPEATS:-3}" --host-profile --out "$OUT/spread" \
               --variants residual_transfer=true,draft_ahead=true,draft_compile=true 2>&1 \
               | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]} ;;
+    calibration) rc=0  # each model's committed profile at its real depth: routing, RTN and GPTQ acceptance
+              for model in ${CAL_MODELS:-phi mixtral}; do
+                python3 scripts/fit_calibration.py --models "$model" --layers 0 --device cuda --dtype float16 \
+                  --check-only --check-dtype float16 --check-gptq --prompts "${CAL_PROMPTS:-1}" \
+                  --out "$OUT/calibration-$model.json" 2>&1 | grep -v -E "^\[transformers\]" \
+                  | tee "$OUT/calibration-$model.log" | tail -5; rc=$((rc | PIPESTATUS[0]))
+              done ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
     offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
