@@ -264,7 +264,7 @@ def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], n
     cycle = walk_cycle(vocab, special, generator)
     moe_routers = routers(hf_model, hidden)
     picked_rows, picks = None, None
-    if profile.token_pick and moe_routers:  # a stream of its own: builds without a pick draw exactly as before
+    if profile.token_pick and moe_routers:  # a stream of its own: the main stream's draws do not depend on it
         pick_generator = torch.Generator().manual_seed(seed + LAYOUT_SEED + 1)
         picked_rows = orthonormal_router_rows(len(moe_routers), moe_routers[0].weight.shape[0],
                                               layout.routing.shape[1], pick_generator)  # [L, E, d_r]
@@ -278,9 +278,10 @@ def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], n
     if getattr(head, "bias", None) is not None:
         head.bias.zero_()
     for index, router in enumerate(moe_routers):
-        w = router.weight  # [E, H]: random rows inside the routing subspace
-        rows = torch.randn(w.shape[0], layout.routing.shape[1], generator=generator) / math.sqrt(hidden)
-        if picked_rows is not None:  # the same norm as a random row's
+        w = router.weight  # [E, H]: rows inside the routing subspace, random or the picks' (same norm)
+        if picked_rows is None:
+            rows = torch.randn(w.shape[0], layout.routing.shape[1], generator=generator) / math.sqrt(hidden)
+        else:
             rows = picked_rows[index] * math.sqrt(layout.routing.shape[1] / hidden)
         w.copy_((rows @ layout.routing.T).to(w.dtype))
     clear = writes_cleared(layout, profile)
