@@ -15,7 +15,7 @@ from specter.models.loading import build_synthetic
 from specter.models.registry import get_spec
 from specter.models.tokenizer import ByteTokenizer
 from specter.quant.draft_io import MANIFEST_FILE, WEIGHTS_FILE, load_draft, save_draft
-from specter.quant.gptq import HessianAccumulator, gptq_quantize, quantize_experts_gptq
+from specter.quant.gptq import HessianAccumulator, experts_per_batch, gptq_quantize, quantize_experts_gptq
 from specter.quant.int4 import GROUP_SIZE, dequantize, pack_codes, quantize_rtn, symmetric_scales, unpack_codes
 
 CALIBRATION = [
@@ -245,6 +245,22 @@ def test_unrouted_experts_fall_back_to_rtn_and_passes_agree():
         assert sum(same) >= row["rtn_fallback_experts"] >= 2
     quantize_experts_gptq(model, ids)  # all layers in one pass
     for (qweight, scales), module in zip(per_pass, model.experts):
+        assert torch.equal(qweight, module.draft_gate_up_qweight) and torch.equal(scales, module.draft_down_scales)
+
+
+def test_expert_batches_follow_the_memory_budget():
+    """Experts per GPTQ batch fit the budget (one Mixtral down projection alone in 4 GiB), and a budget that
+    forces one expert at a time gives the same draft as the default."""
+    assert experts_per_batch(14336, 4096, 4 << 30) == 1
+    assert experts_per_batch(4096, 28672, 4 << 30) == 3
+    assert experts_per_batch(2048, 2816, 4 << 30) == 37
+    assert experts_per_batch(2048, 2816, 1) == 1
+    ids = [torch.tensor([[256, 72, 105, 33, 7, 99]])]
+    model = fresh()
+    quantize_experts_gptq(model, ids)
+    batched = [(m.draft_gate_up_qweight.clone(), m.draft_down_scales.clone()) for m in model.experts]
+    quantize_experts_gptq(model, ids, hessian_budget_bytes=1)
+    for (qweight, scales), module in zip(batched, model.experts):
         assert torch.equal(qweight, module.draft_gate_up_qweight) and torch.equal(scales, module.draft_down_scales)
 
 

@@ -211,10 +211,18 @@ def layer_hessian_bytes(module) -> int:
     return module.num_experts * (module.hidden_dim ** 2 + module.intermediate_dim ** 2) * 4
 
 
+def experts_per_batch(in_features: int, out_features: int, budget: int) -> int:
+    """Experts `gptq_quantize` takes at once within `budget` bytes: each holds about four float32
+    [in, in] matrices (H, its Cholesky factor, the inverse, the upper factor) and two [out, in] (W, Err)."""
+    per_expert = (4 * in_features * in_features + 2 * out_features * in_features) * 4
+    return max(1, budget // per_expert)
+
+
 @torch.no_grad()
 def _quantize_layer(module, weights: tuple[torch.Tensor, torch.Tensor], hessians: _LayerHessians, group_size: int,
-                    blocksize: int, percdamp: float, expert_batch: int | None) -> int:
-    """GPTQ for the routed experts of one layer, RTN for the rest; installs them; returns #GPTQ experts."""
+                    blocksize: int, percdamp: float, expert_batch: int | None, budget: int) -> int:
+    """GPTQ for the routed experts of one layer, RTN for the rest; installs them; returns #GPTQ experts.
+    Routed experts go through `gptq_quantize` `expert_batch` at a time (None: as many as fit `budget`)."""
     routed = sorted(hessians.gate_up)
     unrouted = [e for e in range(module.num_experts) if e not in hessians.gate_up]
     draft_device = module.draft_gate_up_qweight.device
@@ -227,7 +235,7 @@ def _quantize_layer(module, weights: tuple[torch.Tensor, torch.Tensor], hessians
         if unrouted:  # never routed during calibration: round to nearest
             rtn = quantize_rtn(weight[unrouted], group_size)
             qweight[unrouted], scales[unrouted] = rtn.qweight.to(draft_device), rtn.scales.to(draft_device)
-        step = expert_batch or max(1, len(routed))
+        step = expert_batch or experts_per_batch(in_features, out_features, budget)
         for start in range(0, len(routed), step):
             chunk = routed[start:start + step]
             hess = torch.stack([accs.pop(x).finalize() for x in chunk])  # frees the accumulators as it goes
@@ -303,7 +311,7 @@ def quantize_experts_gptq(
                 for l in chunk:
                     module = experts[l]
                     n_gptq = _quantize_layer(module, weights[l], hessians.pop(l), group_size, blocksize, percdamp,
-                                             expert_batch)
+                                             expert_batch, hessian_budget_bytes)
                     layers[l] = {"layer": l, "gptq_experts": n_gptq,
                                  "rtn_fallback_experts": module.num_experts - n_gptq}
                     bar.update(1)
