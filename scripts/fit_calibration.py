@@ -210,10 +210,11 @@ def check_in(dtype: torch.dtype, spec, profile: RoutingProfile, per_dataset: int
     walks = [greedy_walk(model, p, 128) for p in checked]
     acceptance, agreement = decode_check(model, checked, walks)
     out = {"dtype": str(dtype).removeprefix("torch."), "acceptance": acceptance, "token_agreement": agreement}
+    print(f"  check (RTN draft): {out}", file=sys.stderr, flush=True)
     if gptq:
         calibration = [p for i, p in enumerate(prompts) if i % span >= per_dataset]
         ids = [torch.cat([p, torch.tensor([greedy_walk(model, p, 128)])], dim=1) for p in calibration]  # [1, T]
-        quantize_experts_gptq(model, ids)
+        quantize_experts_gptq(model, ids, progress=True)
         out["gptq_acceptance"], out["gptq_token_agreement"] = decode_check(model, checked, walks)
     return out
 

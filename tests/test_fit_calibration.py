@@ -224,9 +224,9 @@ def test_the_check_measures_a_gptq_draft_calibrated_on_prompts_it_does_not_decod
     spec = get_spec("tiny-mixtral")
     calibrated_on, real_quantize = [], fit.quantize_experts_gptq
 
-    def quantize(model, ids):
+    def quantize(model, ids, **options):
         calibrated_on.extend(ids)
-        return real_quantize(model, ids)
+        return real_quantize(model, ids, **options)
 
     monkeypatch.setattr(fit, "quantize_experts_gptq", quantize)
     check = fit.check_in(torch.float32, spec, spec.routing_profile, 1, 0, "cpu", gptq=True, layers=2)

@@ -139,6 +139,12 @@ def test_gptq_packed_layout_and_batching():
     for e in range(3):
         single = gptq_quantize(w[e], hs[e])
         assert torch.equal(single.qweight, packed.qweight[e]) and torch.equal(single.scales, packed.scales[e])
+    # Hessians given as a list are consumed (released once factored), with the same result
+    given = [h.clone() for h in hs]
+    listed = gptq_quantize(w, given)
+    assert given == [None] * 3 and torch.equal(listed.qweight, packed.qweight)
+    with pytest.raises(ValueError, match="2 Hessians do not fit"):
+        gptq_quantize(w, hs[:2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -249,12 +255,15 @@ def test_unrouted_experts_fall_back_to_rtn_and_passes_agree():
 
 
 def test_expert_batches_follow_the_memory_budget():
-    """Experts per GPTQ batch fit the budget (one Mixtral down projection alone in 4 GiB), and a budget that
-    forces one expert at a time gives the same draft as the default."""
-    assert experts_per_batch(14336, 4096, 4 << 30) == 1
-    assert experts_per_batch(4096, 28672, 4 << 30) == 3
-    assert experts_per_batch(2048, 2816, 4 << 30) == 37
-    assert experts_per_batch(2048, 2816, 1) == 1
+    """Experts per GPTQ batch fit the budget in batches of even size (one Mixtral down projection alone in
+    4 GiB), and a budget that forces one expert at a time gives the same draft as the default."""
+    assert experts_per_batch(14336, 4096, 4 << 30, routed=8) == 1
+    assert experts_per_batch(4096, 28672, 4 << 30, routed=8) == 4
+    assert experts_per_batch(2048, 2816, 4 << 30, routed=64) == 64
+    assert experts_per_batch(2048, 2816, 1, routed=64) == 1
+    per_expert, temporaries = (14336 ** 2 + 2 * 4096 * 14336) * 4, 16 * 14336 ** 2
+    assert experts_per_batch(14336, 4096, temporaries + 8 * per_expert, routed=8) == 8
+    assert experts_per_batch(14336, 4096, temporaries + 7 * per_expert, routed=8) == 4  # two even batches
     ids = [torch.tensor([[256, 72, 105, 33, 7, 99]])]
     model = fresh()
     quantize_experts_gptq(model, ids)

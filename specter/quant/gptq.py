@@ -67,39 +67,63 @@ def _upper_cholesky_of_inverse(hessian: torch.Tensor, percdamp: float) -> torch.
         lower, info = torch.linalg.cholesky_ex(hessian + damp[:, None, None] * eye)
         failed = info != 0
         if not bool(failed.any()):
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            inverse = torch.cholesky_inverse(lower)
+            del lower
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             failed = (info != 0) | ~torch.isfinite(upper).flatten(1).all(dim=1)
             if not bool(failed.any()):
                 return upper
             del upper
-        del lower
+        else:
+            del lower
         damp = torch.where(failed, damp * 10, damp)
     raise SpecterError("GPTQ: the calibration Hessian is not positive definite even with 10^4 x dampening "
                        "(non-finite activations?)")
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int = GROUP_SIZE,
+def upper_inverse_factors(hessians: list[torch.Tensor], percdamp: float = PERCDAMP
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Hinv [B, in, in]: upper Cholesky factors of (H + damp I)^-1, dead [B, in]: zero-diagonal columns) of
+    B Hessians [in, in], one matrix at a time. Consumes the list: each entry is released once factored, so
+    a batch holds a single Hessian's temporaries beside the factors."""
+    first = hessians[0]
+    n = first.shape[-1]
+    Hinv = torch.empty(len(hessians), n, n, dtype=torch.float32, device=first.device)
+    dead = torch.empty(len(hessians), n, dtype=torch.bool, device=first.device)
+    del first
+    for b in range(len(hessians)):
+        H = hessians[b].detach().to(torch.float32).clone()  # [in, in]
+        hessians[b] = None
+        dead[b] = H.diagonal() == 0
+        H.diagonal().masked_fill_(dead[b], 1.0)
+        Hinv[b] = _upper_cholesky_of_inverse(H[None], percdamp)[0]
+        del H
+    return Hinv, dead
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | list[torch.Tensor], group_size: int = GROUP_SIZE,
                   blocksize: int = BLOCKSIZE, percdamp: float = PERCDAMP) -> Int4Linear:
     """GPTQ (symmetric INT4, group-wise, desc_act=False) of W [..., out, in] given H [..., in, in].
 
-    Leading dims are a batch (e.g. experts), each with its own Hessian. Returns the packed layout of
-    int4.py: qweight [..., in/8, out] int32, scales [..., in/g, out] in W's dtype.
+    Leading dims are a batch (e.g. experts), each with its own Hessian; `hessian` may also be a list of
+    [in, in], one per linear of the flattened batch, which is consumed (see `upper_inverse_factors`).
+    Returns the packed layout of int4.py: qweight [..., in/8, out] int32, scales [..., in/g, out] in W's dtype.
     """
     _check_shape(weight, group_size)
     out_features, in_features = weight.shape[-2:]
-    if hessian.shape[-2:] != (in_features, in_features) or hessian.shape[:-2] != weight.shape[:-2]:
-        raise ValueError(f"Hessian {tuple(hessian.shape)} does not fit weight {tuple(weight.shape)}")
     batch_shape = weight.shape[:-2]
+    if isinstance(hessian, torch.Tensor):
+        if hessian.shape[-2:] != (in_features, in_features) or hessian.shape[:-2] != batch_shape:
+            raise ValueError(f"Hessian {tuple(hessian.shape)} does not fit weight {tuple(weight.shape)}")
+        hessian = list(hessian.reshape(-1, in_features, in_features).unbind(0))
+    elif len(hessian) != batch_shape.numel() or any(h.shape != (in_features, in_features) for h in hessian):
+        raise ValueError(f"{len(hessian)} Hessians do not fit weight {tuple(weight.shape)}")
     store_dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
     # computed where the Hessian is (the activations' device), even if the target weights live elsewhere
-    H = hessian.detach().reshape(-1, in_features, in_features).to(torch.float32).clone()  # [B, in, in]
-    W = weight.detach().reshape(-1, out_features, in_features).to(device=H.device, dtype=torch.float32).clone()
-
-    dead = H.diagonal(dim1=-2, dim2=-1) == 0  # [B, in]
-    H.diagonal(dim1=-2, dim2=-1).masked_fill_(dead, 1.0)
+    Hinv, dead = upper_inverse_factors(hessian, percdamp)  # [B, in, in] upper, [B, in]
+    W = weight.detach().reshape(-1, out_features, in_features).to(device=Hinv.device, dtype=torch.float32).clone()
     W.masked_fill_(dead[:, None, :], 0.0)
-    Hinv = _upper_cholesky_of_inverse(H, percdamp)  # [B, in, in], upper
-    del H
 
     B = W.shape[0]
     codes = torch.empty(B, out_features, in_features, dtype=torch.uint8, device=W.device)
@@ -211,18 +235,31 @@ def layer_hessian_bytes(module) -> int:
     return module.num_experts * (module.hidden_dim ** 2 + module.intermediate_dim ** 2) * 4
 
 
-def experts_per_batch(in_features: int, out_features: int, budget: int) -> int:
-    """Experts `gptq_quantize` takes at once within `budget` bytes: each holds about four float32
-    [in, in] matrices (H, its Cholesky factor, the inverse, the upper factor) and two [out, in] (W, Err)."""
-    per_expert = (4 * in_features * in_features + 2 * out_features * in_features) * 4
-    return max(1, budget // per_expert)
+def experts_per_batch(in_features: int, out_features: int, budget: int, routed: int) -> int:
+    """Experts `gptq_quantize` takes at once within `budget` bytes, in batches of even size: each expert
+    holds its float32 factor [in, in] and weights W, Err [out, in], beside one Hessian's temporaries
+    (four [in, in]: the copy, the damped matrix, its Cholesky factor, the inverse)."""
+    per_expert = (in_features * in_features + 2 * out_features * in_features) * 4
+    fits = max(1, (budget - 16 * in_features * in_features) // per_expert)
+    batches = -(-routed // fits)
+    return max(1, -(-routed // batches))
+
+
+def batch_budget(device: torch.device, fallback: int) -> int:
+    """Bytes a GPTQ batch may take on `device`: 90% of what CUDA has free (reserved-but-unused included),
+    `fallback` elsewhere."""
+    if device.type != "cuda":
+        return fallback
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(0.9 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)))
 
 
 @torch.no_grad()
 def _quantize_layer(module, weights: tuple[torch.Tensor, torch.Tensor], hessians: _LayerHessians, group_size: int,
                     blocksize: int, percdamp: float, expert_batch: int | None, budget: int) -> int:
     """GPTQ for the routed experts of one layer, RTN for the rest; installs them; returns #GPTQ experts.
-    Routed experts go through `gptq_quantize` `expert_batch` at a time (None: as many as fit `budget`)."""
+    Routed experts go through `gptq_quantize` `expert_batch` at a time (None: as many as fit the device's free
+    memory on CUDA, `budget` bytes elsewhere)."""
     routed = sorted(hessians.gate_up)
     unrouted = [e for e in range(module.num_experts) if e not in hessians.gate_up]
     draft_device = module.draft_gate_up_qweight.device
@@ -235,10 +272,14 @@ def _quantize_layer(module, weights: tuple[torch.Tensor, torch.Tensor], hessians
         if unrouted:  # never routed during calibration: round to nearest
             rtn = quantize_rtn(weight[unrouted], group_size)
             qweight[unrouted], scales[unrouted] = rtn.qweight.to(draft_device), rtn.scales.to(draft_device)
-        step = expert_batch or experts_per_batch(in_features, out_features, budget)
-        for start in range(0, len(routed), step):
+        start = 0
+        while start < len(routed):
+            device = next(iter(accs.values())).hessian.device
+            step = expert_batch or experts_per_batch(in_features, out_features, batch_budget(device, budget),
+                                                     len(routed) - start)
             chunk = routed[start:start + step]
-            hess = torch.stack([accs.pop(x).finalize() for x in chunk])  # frees the accumulators as it goes
+            start += step
+            hess = [accs.pop(x).finalize() for x in chunk]  # gptq_quantize releases each once factored
             q = gptq_quantize(weight[chunk], hess, group_size, blocksize, percdamp)
             qweight[chunk], scales[chunk] = q.qweight.to(draft_device), q.scales.to(draft_device)
             del hess, q
