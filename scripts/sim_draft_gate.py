@@ -83,7 +83,7 @@ def replay(walk: Walk, k: int, slots: int, threshold: float, min_draft: int) -> 
         while accepted < v and walk.draft_agrees[start + accepted + 1]:
             accepted += 1
         positions = range(start, start + v + 1)
-        nxt = start + accepted + 1
+        nxt = min(start + accepted + 1, len(walk) - 1)  # the bonus token past the walk's end is not counted
         for layer in range(layers):
             window = [walk.routing[layer][p] for p in positions]
             needed = {e for token in window for e in token}
