@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from specter.offload.bandwidth import BandwidthMeter
 from specter.offload.host_reads import HostRead, HostTap
 
 UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: every other one)
@@ -79,6 +80,7 @@ class DeviceStreams:
         self._pending: PendingDecodes | None = None  # grouped residual loads not decoded yet
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
         self._copies: list[CopyRecord] = []
+        self._bandwidth = BandwidthMeter()  # recent bytes per ms of the finished copies
         self._decodes: list[tuple] = []  # (start, end) of each residual decode
         self._uploads: dict = {}  # (ring, dtype, index) -> [pinned host buffer, event of its last copy]
         self._upload_count: dict = {}  # ring -> uploads so far
@@ -357,6 +359,7 @@ class DeviceStreams:
 
     def reset_stats(self) -> None:
         self._stalls, self._copies, self._decodes = [], [], []
+        self._bandwidth.restart()
 
     def stats(self) -> dict:
         """H2D bytes, copy busy time, achieved GB/s and compute stall time (the host waits here, once)."""
@@ -386,10 +389,9 @@ class DeviceStreams:
         return [(at(c.start), at(c.end), at(c.after)) for c in self._copies]
 
     def measured_bandwidth(self) -> float | None:
-        """Bytes per ms over the copies that have finished (non-blocking), or None if none has."""
-        done = [c for c in self._copies[-64:] if self.is_ready(c.end if self.cuda else None)]
-        ms = sum(_elapsed_ms(c.start, c.end) for c in done)
-        return sum(c.nbytes for c in done) / ms if ms > 0 else None
+        """Bytes per ms over the last copies that have finished (non-blocking), or None if none has."""
+        return self._bandwidth.measure(self._copies, lambda c: self.is_ready(c.end if self.cuda else None),
+                                       _elapsed_ms)
 
 
 def _elapsed_ms(start, end) -> float:
