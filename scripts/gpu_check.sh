@@ -46,7 +46,9 @@
 # TPOT min-max per system and a host profile of one more decode of each (bench_offload.py --repeats).
 # calibration: each of CAL_MODELS (default "phi mixtral") calibrated at its real depth in fp16, the registry's
 # profile as committed: routing against the real row, Specter's acceptance with RTN and GPTQ drafts
-# (fit_calibration.py --check-only --check-gptq, CAL_PROMPTS per dataset, default 1).
+# (fit_calibration.py --check-only --check-gptq, CAL_PROMPTS per dataset, default 1; phi about 250 s, mixtral 300 s:
+# one model per device call).
+# The log is written line by line, so a run cut by the call limit keeps what it printed.
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -100,7 +102,7 @@ for step in "${STEPS[@]}"; do
               for model in ${CAL_MODELS:-phi mixtral}; do
                 python3 scripts/fit_calibration.py --models "$model" --layers 0 --device cuda --dtype float16 \
                   --check-only --check-dtype float16 --check-gptq --prompts "${CAL_PROMPTS:-1}" \
-                  --out "$OUT/calibration-$model.json" 2>&1 | grep -v -E "^\[transformers\]" \
+                  --out "$OUT/calibration-$model.json" 2>&1 | grep --line-buffered -v -E "^\[transformers\]" \
                   | tee "$OUT/calibration-$model.log" | tail -5; rc=$((rc | PIPESTATUS[0]))
               done ;;
     kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
