@@ -237,8 +237,9 @@ def layer_hessian_bytes(module) -> int:
 
 def experts_per_batch(in_features: int, out_features: int, budget: int, routed: int) -> int:
     """Experts `gptq_quantize` takes at once within `budget` bytes, in batches of even size: each expert
-    holds its float32 factor [in, in] and weights W, Err [out, in], beside one Hessian's temporaries
-    (four [in, in]: the copy, the damped matrix, its Cholesky factor, the inverse)."""
+    holds its float32 factor [in, in] and its weights [out, in] in float32 (twice while they are converted),
+    beside one Hessian's temporaries (four [in, in]: the copy, the damped matrix, its Cholesky factor, the
+    inverse)."""
     per_expert = (in_features * in_features + 2 * out_features * in_features) * 4
     fits = max(1, (budget - 16 * in_features * in_features) // per_expert)
     batches = -(-routed // fits)
@@ -272,9 +273,8 @@ def _quantize_layer(module, weights: tuple[torch.Tensor, torch.Tensor], hessians
         if unrouted:  # never routed during calibration: round to nearest
             rtn = quantize_rtn(weight[unrouted], group_size)
             qweight[unrouted], scales[unrouted] = rtn.qweight.to(draft_device), rtn.scales.to(draft_device)
-        start = 0
+        start, device = 0, accs[routed[0]].hessian.device if routed else None  # where the Hessians are
         while start < len(routed):
-            device = next(iter(accs.values())).hessian.device
             step = expert_batch or experts_per_batch(in_features, out_features, batch_budget(device, budget),
                                                      len(routed) - start)
             chunk = routed[start:start + step]
