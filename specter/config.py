@@ -55,6 +55,10 @@ class SpecterConfig:
     draft_ahead: during each verify pass the draft drafts the next window on a side stream over a KV cache
       of its own, from its guess of the bonus token; the next window takes those drafts when the target
       accepted the whole window with that bonus token (greedy, single requests; specter.offload.draft_ahead).
+    draft_ahead_branch: with draft_ahead, also draft during each verify pass the window that follows the
+      window's likeliest rejection (the draft position with the smallest margin between its top two tokens,
+      corrected to the runner-up), on a stream of its own; the next window takes those drafts when the
+      target rejects there with that token (specter.offload.draft_branch).
     draft_decode_pairs: routed (token, slot) pairs of a draft call up to which its INT4 experts run through
       the GEMV decode kernel (specter.kernels.int4_decode; a draft step routes k pairs per request), the
       tiled fused kernel beyond; 0: always the tiled kernel (the ablation). CUDA only.
@@ -101,6 +105,7 @@ class SpecterConfig:
     cuda_graph: bool = True
     draft_compile: bool = False
     draft_ahead: bool = False
+    draft_ahead_branch: bool = False
     draft_decode_pairs: int = 48
     residual_transfer: bool = False
     host_experts: bool = False
@@ -118,8 +123,8 @@ class SpecterConfig:
         _number(self, "temperature", "a finite number >= 0", lambda x: x >= 0)
         _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
         _integer(self, "seed", None)
-        for name in ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "residual_transfer",
-                     "host_experts", "residual_group_copies"):
+        for name in ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "draft_ahead_branch",
+                     "residual_transfer", "host_experts", "residual_group_copies"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:

@@ -21,7 +21,7 @@ from specter.offload.residual_store import residual_dtype_problem
 from specter.offload.runtime import OffloadConfig, serving
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import NoPrefetch, PrefetchPlanner, WindowPlan, early_read_layer
-from specter.speculative.sampling import next_token, seeded_generator
+from specter.speculative.sampling import draft_choices, next_token, seeded_generator
 from specter.speculative.state import StateManager
 from specter.verify.accept import verify_and_accept
 from specter.window_accounting import WindowAccounting
@@ -50,7 +50,8 @@ class SpecterEngine:
         self.config.check_against(model.num_experts)
         self.generator: torch.Generator | None = None
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
-        self.graphs = DraftGraphCache(model, self.elb, self.config.draft_compile)
+        self.branching = self.config.draft_ahead and self.config.draft_ahead_branch  # draft steps give choices
+        self.graphs = DraftGraphCache(model, self.elb, self.config.draft_compile, choices=self.branching)
         self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()
         slots = self.config.resident_experts_per_layer
         self.offload_config = None if slots is None else OffloadConfig.of(self.config)
@@ -58,7 +59,8 @@ class SpecterEngine:
         self.planner = NoPrefetch() if self.unavailable else self._planner()
         self.session = None  # the OffloadSession of the running call
         self.ahead_problem = draft_ahead_problem(self.config, model) if self.config.draft_ahead else "off"
-        self.ahead = None if self.ahead_problem else DraftAhead(model, self.elb, self.config.draft_compile)
+        self.ahead = None if self.ahead_problem else DraftAhead(model, self.elb, self.config.draft_compile,
+                                                                self.config.k, self.config.draft_ahead_branch)
         self.accounting = WindowAccounting()
 
     def available(self) -> tuple[bool, str]:
@@ -93,9 +95,9 @@ class SpecterEngine:
         self.end_prefill()
         ahead = None
         while len(state.generated) < max_new_tokens and not _ended(state.generated, eos_token_id):
-            k = state.window(min(self.config.k, max_new_tokens - len(state.generated) - 1))
-            next_k = min(self.config.k, max_new_tokens - len(state.generated) - k - 2)  # after a whole window
-            new_tokens, accepted, plan, ahead = self.speculate(state, k, metrics, ahead, next_k)
+            remaining = max_new_tokens - len(state.generated)
+            k = state.window(min(self.config.k, remaining - 1))
+            new_tokens, accepted, plan, ahead = self.speculate(state, k, metrics, ahead, remaining)
             state.commit(new_tokens, kv_keep=state.kv_length + state.uncached_length + accepted)
             metrics.commit(len(new_tokens))
             metrics.window(k, accepted)
@@ -104,22 +106,23 @@ class SpecterEngine:
         return GenerationResult(tokens, self.stats(metrics))
 
     def speculate(self, state: StateManager, k: int, metrics: DecodeMetrics, ahead: AheadWindow | None = None,
-                  next_k: int = 0) -> tuple[list[int], int, WindowPlan | None, AheadWindow | None]:
+                  remaining: int = 0) -> tuple[list[int], int, WindowPlan | None, AheadWindow | None]:
         """One iteration: draft k tokens (or take `ahead`'s, drafted during the previous verify pass), verify
         k + 1 positions; (tokens to commit, n accepted, the window's plan, the next window's drafts if the
-        draft-ahead made them and they are usable)."""
+        draft-ahead made them and they are usable). `remaining`: tokens the request still needs (0: none
+        drafted ahead)."""
         self.begin_window()
         metrics.begin("draft")
-        drafted_ahead = ahead is not None and ahead.k == k
-        if ahead is not None and not drafted_ahead:
+        taken = ahead if ahead is not None and ahead.k == k else None  # drafts made ahead for this window
+        if ahead is not None and taken is None:
             self.elb.clear()  # its routing counts are not this window's
-        if drafted_ahead:
-            drafts, draft_probs, plan = ahead.tokens, None, self.plan_ahead_window(k)
+        if taken is not None:
+            drafts, draft_probs, choices, plan = taken.tokens, None, taken.choices, self.plan_ahead_window(k)
         else:
-            drafts, draft_probs, plan = self.draft(state, k)
+            drafts, draft_probs, choices, plan = self.draft(state, k)
         metrics.end("draft")
         metrics.begin("verify")
-        launched = None if self.ahead is None else self.ahead.launch(state, drafts, drafted_ahead, next_k)
+        launched = None if self.ahead is None else self.ahead.launch(state, drafts, choices, taken, remaining)
         with self.verifying(plan):
             accepted, new_tokens = verify_and_accept(self.model, state, drafts, draft_probs, self.config,
                                                      self.generator)
@@ -133,14 +136,16 @@ class SpecterEngine:
         self.planner.begin_window(k)
         return self.planner.end_window() if k else None
 
-    def draft(self, state: StateManager, k: int) -> tuple[torch.Tensor, torch.Tensor | None, WindowPlan | None]:
-        """k draft tokens [k] (and their distributions [k, V] when sampling; tokens stay on the device) and
-        the window's plan (None without prefetch or drafts).
+    def draft(self, state: StateManager, k: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, WindowPlan | None]:
+        """k draft tokens [k] (and their distributions [k, V] when sampling; tokens stay on the device), with
+        draft-ahead's branch their choices [k, 3] (token, runner-up, margin; else None) and the window's plan
+        (None without prefetch or drafts).
 
         The draft router's choices go into the lookahead counters; the planner turns them into
         prefetches at chunk boundaries.
         """
-        tokens, probs, plan = [], [], None
+        tokens, probs, choices, plan = [], [], [], None
         x = state.uncached()
         graph = self.graphs.graph(None, state.cache)
         observing = self.model.observe_draft_routing(self.elb.observe) if k else nullcontext()
@@ -148,10 +153,14 @@ class SpecterEngine:
             self.planner.begin_window(k)
             for i in range(k):
                 if graph is not None:
-                    token, p = graph.step(x), None
+                    choice, p = graph.step_choices(x), None  # [1, 3] with the branch, else [1, 1]
+                    token = choice[:, 0]
                 else:
-                    token, p = next_token(self.model.forward(x, state.cache, DRAFT)[0, -1], self.config, self.generator)
+                    logits = self.model.forward(x, state.cache, DRAFT)[0, -1]  # [V]
+                    token, p = next_token(logits, self.config, self.generator)
+                    choice = draft_choices(logits[None]) if self.branching else None
                 tokens.append(token)
+                choices.append(choice)
                 probs.append(p)
                 x = token.view(1, 1)
                 self.planner.after_draft_token(i + 1)
@@ -159,7 +168,8 @@ class SpecterEngine:
                 plan = self.planner.end_window()
         empty = torch.empty(0, dtype=torch.long, device=self.model.device)
         drafted = torch.cat(tokens) if tokens else empty
-        return drafted, (torch.stack(probs) if probs and probs[0] is not None else None), plan
+        window_choices = torch.cat(choices) if self.branching and choices else None
+        return drafted, (torch.stack(probs) if probs and probs[0] is not None else None), window_choices, plan
 
     def begin_request(self) -> None:
         """Same starting state for every request: cache emptied, counters cleared, generator seeded."""

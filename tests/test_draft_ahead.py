@@ -6,6 +6,7 @@ from transformers import DynamicCache, StaticCache
 
 import specter
 from specter.models.hybrid_experts import TARGET
+from specter.speculative.sampling import draft_choices
 from specter.speculative.state import copy_rows
 from tests.conftest import TINY_MODELS, hf_greedy, prompt, tiny_model
 
@@ -23,6 +24,50 @@ def test_draft_ahead_is_lossless_and_used(tiny_name, slots):
     assert 0 < out.stats["draft_ahead_windows"] <= out.stats["draft_ahead_launches"]
     if slots:  # offloaded: every window that drafts, ahead or not, has a plan (a last one of k=0 has none)
         assert out.stats["iterations"] - 1 <= len(out.stats["prefetch_trace"]) <= out.stats["iterations"]
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize("tiny_name", ["tiny-dsv2", "tiny-qwen"])
+def test_draft_ahead_branch_is_lossless_and_used(tiny_name, slots):
+    """The branch drafts the window after the likeliest rejection; windows that take its drafts still give
+    the target's greedy tokens (both models reject at their smallest margin with the runner-up at least once)."""
+    model = specter.load_model(tiny_name, device="cpu", dtype=torch.float32) if slots else tiny_model(tiny_name)
+    config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True, draft_ahead_branch=True)
+    out = specter.SpecterEngine(model, config).generate(prompt("Natalia sold clips"), NEW)
+    assert out.token_ids == hf_greedy(tiny_name, prompt("Natalia sold clips"), NEW), (tiny_name, slots)
+    stats = out.stats
+    assert 0 < stats["draft_branch_windows"] <= stats["draft_branch_launches"] == stats["draft_ahead_launches"]
+    assert stats["draft_ahead_windows"] + stats["draft_branch_windows"] < stats["iterations"]
+    if slots:  # a window drafted by the branch is planned from the branch's routing counts
+        assert stats["iterations"] - 1 <= len(stats["prefetch_trace"]) <= stats["iterations"]
+
+
+def test_a_window_the_branch_drafted_hands_its_draft_rows_to_the_next_draft_ahead():
+    """The next window is drafted ahead over the rows the branch computed for the window it drafted."""
+    engine = specter.SpecterEngine(tiny_model("tiny-dsv2"), specter.SpecterConfig(k=3, draft_ahead=True,
+                                                                                  draft_ahead_branch=True))
+    launch, checked = engine.ahead.launch, []
+
+    def checking_launch(state, drafts, choices, window, remaining):
+        if window is None or window.guess is not None:
+            return launch(state, drafts, choices, window, remaining)
+        rows = slice(state.kv_length, state.kv_length + drafts.numel())
+        branch_rows = [layer.keys[:, :, rows].clone() for layer in engine.ahead.branch.cache.layers]
+        launched = launch(state, drafts, choices, window, remaining)
+        checked.append(all(torch.equal(layer.keys[:, :, rows], expected)
+                           for layer, expected in zip(engine.ahead.cache.layers, branch_rows)))
+        return launched
+
+    engine.ahead.launch = checking_launch
+    out = engine.generate(prompt("Natalia sold clips"), NEW)
+    assert out.stats["draft_branch_windows"] > 0 and checked and all(checked)
+
+
+def test_draft_choices_are_the_argmax_the_runner_up_and_their_margin():
+    logits = torch.tensor([[0.5, 2.0, 1.75, -1.0], [3.0, 3.0, 1.0, 0.0]])
+    choices = draft_choices(logits)
+    assert choices.tolist() == [[1, 2, 256], [0, 1, 0]]  # a tie: the first index is the argmax, the next the runner-up
+    assert torch.equal(choices[:, 0], logits.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("name,config,reason", [

@@ -233,6 +233,24 @@ def test_draft_ahead_on_its_side_stream_stays_lossless(name):
     assert second.stats["draft_ahead_windows"] > 0
 
 
+@pytest.mark.parametrize("name", ["tiny-dsv2", "tiny-qwen"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_draft_ahead_branch_on_its_stream_stays_lossless(name, compiled):
+    """draft_ahead_branch: the window after the likeliest rejection drafted on a stream of its own (its own
+    static cache, captured step and counters, its branch point read without a sync at launch); output equals
+    target-only's, and windows take the branch's drafts."""
+    model = specter.load_model(name, device="cuda", dtype=torch.float16)
+    ids = prompt("Natalia sold clips")
+    reference = TargetOnly(model).generate(ids, 40).token_ids
+    config = specter.SpecterConfig(k=3, resident_experts_per_layer=2, draft_ahead=True, draft_ahead_branch=True,
+                                   draft_compile=compiled)
+    engine = specter.SpecterEngine(model, config)
+    first, second = engine.generate(ids, 40), engine.generate(ids, 40)
+    assert first.stats["draft_graph"] == ("on, compiled" if compiled else "on")
+    assert first.token_ids == second.token_ids == reference
+    assert 0 < second.stats["draft_branch_windows"] <= second.stats["draft_branch_launches"]
+
+
 def test_a_longrope_model_drafts_eagerly_and_leaves_the_cuda_generator_usable():
     """Phi's longrope syncs in every step, so its draft step is not captured; a failed capture used to
     leave the CUDA generator unusable for the rest of the process."""

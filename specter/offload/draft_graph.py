@@ -4,23 +4,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from specter.models.hybrid_experts import DRAFT
+from specter.speculative.sampling import draft_choices
 from specter.speculative.state import new_static_cache, rope_switch
 
 WARMUP_STEPS = 2
 
 
-def draft_step_fn(model, compiled: bool = False):
-    """`(tokens [B, 1], cache, mask, positions) -> argmax(draft logits)` [B, 1]; with `compiled`, the same
+def draft_step_fn(model, compiled: bool = False, choices: bool = False):
+    """`(tokens [B, 1], cache, mask, positions) -> argmax(draft logits)` [B, 1] (with `choices`: the
+    argmax, the runner-up and their margin [B, 3], `sampling.draft_choices`); with `compiled`, the same
     function through torch.compile (static shapes, so it compiles once per cache and batch shape): fewer,
     fused kernels for the dense part of each layer (norms, rotary, casts, copies). The fused kernels round
     to the model's dtype where eager rounds (`emulate_precision_casts`); their reductions may still sum in
     another order, so near-ties of the draft's logits can flip."""
     def step(tokens, cache, mask, positions):
         logits = model.forward(tokens, cache, DRAFT, mask, positions)[:, -1]  # [B, V]
-        return logits.argmax(dim=-1, keepdim=True)
+        return draft_choices(logits) if choices else logits.argmax(dim=-1, keepdim=True)
     if not compiled:
         return step
     compiled_step = torch.compile(step, dynamic=False)
@@ -48,12 +50,13 @@ class DraftStepGraph:
     step), static input tokens [B, 1], the lookahead counters and the draft kernel's workspace; a batch
     also has static mask [B, 1, 1, max_len] and position [B, 1] inputs, copied in before each replay.
     Capture happens on a side stream after warm-up steps, whose KV writes and counts are rolled back.
+    With `choices` the step also gives the draft's runner-up and margin (`step_choices`).
     """
 
     def __init__(self, model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, compiled: bool = False) -> None:
+                 positions: torch.Tensor | None = None, compiled: bool = False, choices: bool = False) -> None:
         self.model, self.cache, self.elb = model, cache, elb
-        self.step_fn = draft_step_fn(model, compiled)  # compiled at the first warm-up step
+        self.step_fn = draft_step_fn(model, compiled, choices)  # compiled at the first warm-up step
         batch = 1 if positions is None else positions.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)  # static input
         self.mask = None if mask is None else mask.clone()  # static inputs of a batch
@@ -66,7 +69,8 @@ class DraftStepGraph:
                 self._step()
                 rollback(cache, elb, kv_length)
             with torch.cuda.graph(self.graph, stream=stream):
-                self.next_token = self._step()  # [B, 1], static output
+                self.choices = self._step()  # [B, 1] or [B, 3], static output
+        self.next_token = self.choices[:, :1]  # [B, 1]
         torch.cuda.current_stream().wait_stream(stream)
         rollback(cache, elb, kv_length)
 
@@ -82,11 +86,19 @@ class DraftStepGraph:
             self.mask.copy_(mask)
             self.positions.copy_(positions)
         self.graph.replay()
-        return self.next_token.view(-1).clone()
+        return self.next_token.reshape(-1).clone()
+
+    def step_choices(self, token: torch.Tensor) -> torch.Tensor:
+        """Replay one draft step of a single request for `token` [1]; its choices [1, 3] (a copy): the next
+        token, the runner-up and their margin (captured with `choices`; else [1, 1], the next token)."""
+        self.token.copy_(token.view(-1, 1))
+        self.graph.replay()
+        return self.choices.clone()
 
 
 def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
-                       positions: torch.Tensor | None = None, compiled: bool = False) -> tuple[DraftStepGraph | None, str]:
+                       positions: torch.Tensor | None = None, compiled: bool = False,
+                       choices: bool = False) -> tuple[DraftStepGraph | None, str]:
     """(graph, status) or (None, reason) when capture is not possible here; the caller then drafts eagerly.
     A batch passes its first step's `mask` and `positions` (their shapes are captured). With `compiled`
     the step is compiled first; if that fails, the plain step is captured and the status says why."""
@@ -97,12 +109,12 @@ def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | N
     compile_problem = ""
     if compiled:
         try:
-            return DraftStepGraph(model, cache, elb, kv_length, mask, positions, compiled=True), "on, compiled"
+            return DraftStepGraph(model, cache, elb, kv_length, mask, positions, True, choices), "on, compiled"
         except Exception as err:  # a compiler error or an op capture rejects in the compiled step
             _undo_warmup(cache, elb, kv_length)
             compile_problem = f", not compiled: {_reason(err)}"
     try:
-        return DraftStepGraph(model, cache, elb, kv_length, mask, positions), "on" + compile_problem
+        return DraftStepGraph(model, cache, elb, kv_length, mask, positions, False, choices), "on" + compile_problem
     except Exception as err:  # capture rejects host syncs and unsupported ops: fall back, say why
         _undo_warmup(cache, elb, kv_length)
         return None, _reason(err)
@@ -144,8 +156,9 @@ class DraftGraphCache:
     with it (the captured addresses changed); a capture that failed is not tried again on the same cache.
     """
 
-    def __init__(self, model, elb, compiled: bool = False) -> None:
+    def __init__(self, model, elb, compiled: bool = False, choices: bool = False) -> None:
         self.model, self.elb, self.compiled = model, elb, compiled  # compiled: torch.compile the step first
+        self.choices = choices  # single-request steps also give the runner-up and margin (step_choices)
         self._entries: dict[bool, GraphEntry] = {}  # batched? -> its entry
 
     def static_cache(self, batch: int | None, length: int, min_length: int = 0) -> StaticCache:
@@ -158,14 +171,24 @@ class DraftGraphCache:
             self._entries[batch is not None] = entry
         return entry.cache
 
+    def side_cache(self, request_cache, length: int, kv_length: int):
+        """A single request's KV cache for drafting beside the request (draft-ahead, its branch): static with
+        the step captured over it where `request_cache` is static (`length` positions at least), else dynamic."""
+        if not isinstance(request_cache, StaticCache):
+            return DynamicCache(config=self.model.hf.config)
+        cache = self.static_cache(None, length, request_cache.max_cache_len)
+        self.capture(None, cache, kv_length)
+        return cache
+
     def capture(self, batch: int | None, cache, kv_length: int, mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> DraftStepGraph | None:
         """The draft step captured over `cache` (`batch`'s static cache; captured at the first call, a batch
         with its first step's `mask` and `positions`), or None: draft eagerly."""
         entry = self._entry(batch, cache)
         if entry is not None and entry.graph is None and entry.status == "off":
+            choices = self.choices and batch is None
             entry.graph, status = capture_draft_step(self.model, cache, self.elb, kv_length, mask, positions,
-                                                     self.compiled)
+                                                     self.compiled, choices)
             entry.status = status if entry.graph is not None else f"failed: {status}"
         return self.graph(batch, cache)
 

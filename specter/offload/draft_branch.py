@@ -1,0 +1,132 @@
+"""Draft-ahead's branch: the next window drafted from the window's likeliest rejection, on a stream of its own.
+
+A window the target does not accept whole makes the next window draft its k tokens with the verify pass
+unable to start. The branch guesses where and how the window ends instead: at the draft position with the
+smallest margin between the draft's top two tokens, with the runner-up as the target's correction. During
+the verify pass it drafts the window that would follow (over a KV cache of its own: the committed rows and
+the window's draft rows up to that position), beside draft-ahead's whole-window guess. When the target
+rejects exactly there and corrects to the runner-up, the next window takes the branch's drafts. The
+target decides every committed token either way (greedy only).
+
+The branch point stays on the device (no host sync at launch); the host reads it after the verify pass.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from transformers import StaticCache
+
+from specter.models.hybrid_experts import DRAFT
+from specter.offload.draft_graph import DraftGraphCache
+from specter.offload.host_reads import HostRead
+from specter.prefetch.lookahead import ExpertLookaheadBuffer
+from specter.speculative.sampling import draft_choices
+from specter.speculative.state import copy_rows
+
+
+@dataclass
+class BranchWindow:
+    """Drafts made from a guessed rejection: `point` reads (position in the window, correction token) [2]."""
+
+    point: HostRead
+    choices: torch.Tensor  # [steps, 3] the branch's drafts with their runner-ups and margins
+
+    def matches(self, accepted: int, correction: int) -> bool:
+        """Whether the target rejected the window at the branch's position with the branch's token."""
+        position, token = self.point.result().tolist()
+        return accepted == position and correction == token
+
+
+class DraftBranch:
+    """The branch's KV cache (static, with its own captured step, where draft-ahead's is), its lookahead
+    counters (the routing of its drafts, the next window's plan when it is taken) and its stream."""
+
+    def __init__(self, model, compiled: bool) -> None:
+        self.model = model
+        self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
+        self.graphs = DraftGraphCache(model, self.elb, compiled, choices=True)
+        self.cuda = model.device.type == "cuda"
+        self.stream = torch.cuda.Stream(model.device) if self.cuda else None
+        self.rows_read = torch.cuda.Event() if self.cuda else None  # the branch has copied its source rows
+        self.cache = None
+        self.launches = self.used = 0
+
+    def reset(self) -> None:
+        self.cache, self.launches, self.used = None, 0, 0
+
+    def begin_request(self, request_cache, length: int) -> None:
+        """A request starts: a cache of the request cache's kind, `length` positions where static."""
+        self.cache = self.graphs.side_cache(request_cache, length, 0)
+
+    def launch(self, source, rows_ready, kv_length: int, choices: torch.Tensor, steps: int) -> BranchWindow:
+        """Draft `steps` tokens after the window of `choices` [k, 3] (its drafts, runner-ups, margins) rejected
+        at its smallest margin; `source` (draft-ahead's cache) holds the committed rows and the window's
+        draft rows once `rows_ready` (an event, or None) is reached."""
+        k = choices.shape[0]
+        with self._side():
+            if self.cuda and rows_ready is not None:
+                self.stream.wait_event(rows_ready)
+            position = choices[:, 2].argmin()  # device scalar
+            point = torch.stack([position, choices[position, 1]])  # [2]
+            self._copy_rows(source, kv_length, k, position)
+            self.elb.clear()
+            drafted = self._draft(point[1:], steps)  # [steps, 3]
+            read = self._read(point)
+        self.launches += 1
+        return BranchWindow(read, drafted)
+
+    def collect(self, branch: BranchWindow, accepted: int, correction: int, k: int, elb) -> torch.Tensor | None:
+        """The first `k` drafts [k, 3] of `branch` when the target rejected where it guessed, with its routing
+        counts moved into `elb` (the engine's counters, from which the next window is planned); else None."""
+        if not branch.matches(accepted, correction) or branch.choices.shape[0] < k:
+            return None
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            branch.choices.record_stream(torch.cuda.current_stream())
+        elb.counts.copy_(self.elb.counts)
+        self.used += 1
+        return branch.choices[:k]
+
+    def _copy_rows(self, source, kv_length: int, k: int, position: torch.Tensor) -> None:
+        """The branch's cache: `source`'s committed rows and the window's draft rows before the correction
+        (kv_length + 1 + position of them; the length set on the device where the cache is static)."""
+        if isinstance(self.cache, StaticCache):
+            copy_rows(self.cache, source, kv_length + k, kv_length + k)
+            for layer in self.cache.layers:
+                if layer.is_initialized:
+                    layer.cumulative_length.copy_(position + kv_length + 1)
+        else:
+            keep = kv_length + 1 + int(position)
+            copy_rows(self.cache, source, keep, keep)
+        if self.cuda:
+            self.rows_read.record()
+
+    def _read(self, point: torch.Tensor) -> HostRead:
+        """`point` [2] on its way to the host (read after the verify pass, long done by then)."""
+        host = torch.empty(2, dtype=torch.long, pin_memory=self.cuda)
+        host.copy_(point, non_blocking=self.cuda)
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return HostRead(host, done)
+
+    def _side(self):
+        return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
+
+    def _draft(self, token: torch.Tensor, steps: int) -> torch.Tensor:
+        """`steps` greedy draft choices [steps, 3] chained from `token` [1] over the branch's cache."""
+        graph = self.graphs.graph(None, self.cache)
+        out = []
+        observing = nullcontext() if graph is not None else self.model.observe_draft_routing(self.elb.observe)
+        with observing:
+            for _ in range(steps):
+                if graph is not None:
+                    choice = graph.step_choices(token)
+                else:
+                    choice = draft_choices(self.model.forward(token.view(1, 1), self.cache, DRAFT)[0, -1:])
+                out.append(choice)
+                token = choice[:, 0]
+        return torch.cat(out)
