@@ -68,9 +68,9 @@ class DraftAhead:
     def __init__(self, model, elb, compiled: bool, k_max: int, branch: bool = False) -> None:
         self.model, self.elb, self.k_max = model, elb, k_max
         self.graphs = DraftGraphCache(model, elb, compiled, choices=branch)
-        self.branch = DraftBranch(model, compiled) if branch else None
         self.cuda = model.device.type == "cuda"
         self.stream = torch.cuda.Stream(model.device) if self.cuda else None
+        self.branch = DraftBranch(model, compiled, self.stream) if branch else None
         self.cache = None
         self.launches = self.used = 0
 
@@ -106,8 +106,6 @@ class DraftAhead:
         rows = kv_length if drafted_ahead or not isinstance(state.cache, StaticCache) else kv_length + k
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())  # the window's drafts and KV are written
-            if self.branch is not None:  # the previous branch has read this cache's rows
-                self.stream.wait_event(self.branch.rows_read)
         with self._side():  # a window drafted ahead keeps the draft rows of it (the branch's: copied here)
             if drafted_ahead and window.guess is None:
                 copy_rows(self.cache, self.branch.cache, kv_length + k, kv_length + k)
@@ -118,11 +116,10 @@ class DraftAhead:
             if not drafted_ahead and rows == kv_length:  # a dynamic cache dropped the window's draft rows
                 window_inputs = torch.cat([state.uncached().view(-1), drafts[:-1]]).view(1, -1)  # [1, k]
                 self.model.forward(window_inputs, self.cache, DRAFT)
-            rows_ready = self._event()  # the window's rows are in this cache: the branch copies from them
             steps = self._draft(drafts[-1:], next_k + 1)  # [next_k + 1, 3]: the guess, then the drafts
         branch = None
         if self.branch is not None and choices is not None and window_k(1) >= 1:
-            branch = self.branch.launch(self.cache, rows_ready, kv_length, choices, window_k(1))
+            branch = self.branch.launch(self.cache, kv_length, choices, window_k(1))  # after, on the same stream
         self.launches += 1
         return Launched(AheadWindow(next_k, steps[:1, 0], steps[1:]), branch, window_k)
 
@@ -156,14 +153,6 @@ class DraftAhead:
         if self.branch is not None:
             stats.update(draft_branch_launches=self.branch.launches, draft_branch_windows=self.branch.used)
         return stats
-
-    def _event(self):
-        """An event recorded on the current stream (None on the CPU)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
 
     def _side(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()

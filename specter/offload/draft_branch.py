@@ -4,9 +4,10 @@ A window the target does not accept whole makes the next window draft its k toke
 unable to start. The branch guesses where and how the window ends instead: at the draft position with the
 smallest margin between the draft's top two tokens, with the runner-up as the target's correction. During
 the verify pass it drafts the window that would follow (over a KV cache of its own: the committed rows and
-the window's draft rows up to that position), beside draft-ahead's whole-window guess. When the target
-rejects exactly there and corrects to the runner-up, the next window takes the branch's drafts. The
-target decides every committed token either way (greedy only).
+the window's draft rows up to that position), after draft-ahead's whole-window guess on the same side
+stream: the captured draft steps share the draft kernels' workspace, so they never run at once. When the
+target rejects exactly there and corrects to the runner-up, the next window takes the branch's drafts.
+The target decides every committed token either way (greedy only).
 
 The branch point stays on the device (no host sync at launch); the host reads it after the verify pass.
 """
@@ -40,16 +41,15 @@ class BranchWindow:
 
 
 class DraftBranch:
-    """The branch's KV cache (static, with its own captured step, where draft-ahead's is), its lookahead
-    counters (the routing of its drafts, the next window's plan when it is taken) and its stream."""
+    """The branch's KV cache (static, with its own captured step, where draft-ahead's is) and its lookahead
+    counters (the routing of its drafts, the next window's plan when it is taken); it drafts on `stream`
+    (draft-ahead's side stream; None on the CPU)."""
 
-    def __init__(self, model, compiled: bool) -> None:
-        self.model = model
+    def __init__(self, model, compiled: bool, stream) -> None:
+        self.model, self.stream = model, stream
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
         self.graphs = DraftGraphCache(model, self.elb, compiled, choices=True)
-        self.cuda = model.device.type == "cuda"
-        self.stream = torch.cuda.Stream(model.device) if self.cuda else None
-        self.rows_read = torch.cuda.Event() if self.cuda else None  # the branch has copied its source rows
+        self.cuda = stream is not None
         self.cache = None
         self.launches = self.used = 0
 
@@ -60,20 +60,18 @@ class DraftBranch:
         """A request starts: a cache of the request cache's kind, `length` positions where static."""
         self.cache = self.graphs.side_cache(request_cache, length, 0)
 
-    def launch(self, source, rows_ready, kv_length: int, choices: torch.Tensor, steps: int) -> BranchWindow:
+    def launch(self, source, kv_length: int, choices: torch.Tensor, steps: int) -> BranchWindow:
         """Draft `steps` tokens after the window of `choices` [k, 3] (its drafts, runner-ups, margins) rejected
         at its smallest margin; `source` (draft-ahead's cache) holds the committed rows and the window's
-        draft rows once `rows_ready` (an event, or None) is reached."""
+        draft rows when the side stream gets here."""
         k = choices.shape[0]
         with self._side():
-            if self.cuda and rows_ready is not None:
-                self.stream.wait_event(rows_ready)
             position = choices[:, 2].argmin()  # device scalar
             point = torch.stack([position, choices[position, 1]])  # [2]
+            read = self._read(point)
             self._copy_rows(source, kv_length, k, position)
             self.elb.clear()
             drafted = self._draft(point[1:], steps)  # [steps, 3]
-            read = self._read(point)
         self.launches += 1
         return BranchWindow(read, drafted)
 
@@ -82,8 +80,7 @@ class DraftBranch:
         counts moved into `elb` (the engine's counters, from which the next window is planned); else None."""
         if not branch.matches(accepted, correction) or branch.choices.shape[0] < k:
             return None
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)
+        if self.cuda:  # the current stream has waited for the side stream (DraftAhead.collect)
             branch.choices.record_stream(torch.cuda.current_stream())
         elb.counts.copy_(self.elb.counts)
         self.used += 1
@@ -100,11 +97,10 @@ class DraftBranch:
         else:
             keep = kv_length + 1 + int(position)
             copy_rows(self.cache, source, keep, keep)
-        if self.cuda:
-            self.rows_read.record()
 
     def _read(self, point: torch.Tensor) -> HostRead:
-        """`point` [2] on its way to the host (read after the verify pass, long done by then)."""
+        """`point` [2] on its way to the host (read after the verify pass, long done by then: it is queued
+        before the branch's draft steps)."""
         host = torch.empty(2, dtype=torch.long, pin_memory=self.cuda)
         host.copy_(point, non_blocking=self.cuda)
         done = None
