@@ -24,6 +24,7 @@ from transformers import StaticCache
 from specter.models.hybrid_experts import DRAFT
 from specter.offload.draft_branch import BranchWindow, DraftBranch
 from specter.offload.draft_graph import DraftGraphCache
+from specter.offload.host_reads import HostRead, read_when_reached, recorded_event
 from specter.speculative.sampling import draft_choices
 from specter.speculative.state import copy_rows, rope_switch
 
@@ -34,7 +35,7 @@ class AheadWindow:
     (None: drafted by the branch, whose cache holds the window's draft rows)."""
 
     k: int
-    guess: torch.Tensor | None  # [1] the draft's guess of the bonus token after the verified window
+    guess: HostRead | None  # reads [1]: the draft's guess of the bonus token after the verified window
     choices: torch.Tensor  # [k, 3] the next window's drafts, their runner-ups and margins ([k, 1]: drafts only)
 
     @property
@@ -50,6 +51,7 @@ class Launched:
     whole: AheadWindow
     branch: BranchWindow | None
     window_k: object
+    whole_done: object = None  # an event after the whole window's drafts (None on the CPU)
 
 
 def draft_ahead_problem(config, model) -> str:
@@ -116,27 +118,31 @@ class DraftAhead:
             if not drafted_ahead and rows == kv_length:  # a dynamic cache dropped the window's draft rows
                 window_inputs = torch.cat([state.uncached().view(-1), drafts[:-1]]).view(1, -1)  # [1, k]
                 self.model.forward(window_inputs, self.cache, DRAFT)
-            steps = self._draft(drafts[-1:], next_k + 1)  # [next_k + 1, 3]: the guess, then the drafts
+            guess = self._draft(drafts[-1:], 1)[:, 0]  # [1]: the draft's guess of the bonus token
+            guess_read = read_when_reached(guess)  # read after the verify pass without waiting for what follows
+            steps = self._draft(guess, next_k)  # [next_k, 3]
+            whole_done = recorded_event(self.cuda)
         branch = None
         if self.branch is not None and choices is not None and window_k(1) >= 1:
             branch = self.branch.launch(self.cache, kv_length, choices, window_k(1))  # after, on the same stream
         self.launches += 1
-        return Launched(AheadWindow(next_k, steps[:1, 0], steps[1:]), branch, window_k)
+        return Launched(AheadWindow(next_k, guess_read, steps), branch, window_k, whole_done)
 
     def collect(self, launched: Launched | None, k: int, accepted: int, new_tokens: list[int]) -> AheadWindow | None:
         """After the verify pass: the drafts made ahead if the whole window was accepted with the guessed
         bonus token, or the branch's if it was rejected where and as the branch guessed; else None and the
-        draft's counts of them cleared."""
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)
+        draft's counts of them cleared. The host waits for no draft step: the device does, for those it needs."""
         if launched is None:
+            self._wait_side()
             return None
         whole = launched.whole
-        if accepted == k and new_tokens[-1] == int(whole.guess[0]):
+        if accepted == k and new_tokens[-1] == int(whole.guess.result()[0]):
             self.used += 1
-            if self.cuda:  # made on the side stream, read by the next verify pass on this one
+            if self.cuda:  # the next verify pass reads them on this stream (the branch may still be drafting)
+                torch.cuda.current_stream().wait_event(launched.whole_done)
                 whole.choices.record_stream(torch.cuda.current_stream())
             return whole
+        self._wait_side()  # the next draft steps share the draft kernels' workspace with the side stream's
         if launched.branch is not None:
             next_k = launched.window_k(len(new_tokens))
             choices = self.branch.collect(launched.branch, accepted, new_tokens[-1], next_k, self.elb)
@@ -153,6 +159,11 @@ class DraftAhead:
         if self.branch is not None:
             stats.update(draft_branch_launches=self.branch.launches, draft_branch_windows=self.branch.used)
         return stats
+
+    def _wait_side(self) -> None:
+        """The current stream waits for everything queued on the side stream (the host does not)."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.stream)
 
     def _side(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()

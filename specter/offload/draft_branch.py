@@ -21,7 +21,7 @@ from transformers import StaticCache
 
 from specter.models.hybrid_experts import DRAFT
 from specter.offload.draft_graph import DraftGraphCache
-from specter.offload.host_reads import HostRead
+from specter.offload.host_reads import HostRead, read_when_reached, recorded_event
 from specter.prefetch.lookahead import ExpertLookaheadBuffer
 from specter.speculative.sampling import draft_choices
 from specter.speculative.state import copy_rows
@@ -33,6 +33,7 @@ class BranchWindow:
 
     point: HostRead
     choices: torch.Tensor  # [steps, 3] the branch's drafts with their runner-ups and margins
+    done: object  # an event after its draft steps (None on the CPU)
 
     def matches(self, accepted: int, correction: int) -> bool:
         """Whether the target rejected the window at the branch's position with the branch's token."""
@@ -68,19 +69,21 @@ class DraftBranch:
         with self._side():
             position = choices[:, 2].argmin()  # device scalar
             point = torch.stack([position, choices[position, 1]])  # [2]
-            read = self._read(point)
+            read = read_when_reached(point)  # queued before the draft steps: done long before it is read
             self._copy_rows(source, kv_length, k, position)
             self.elb.clear()
             drafted = self._draft(point[1:], steps)  # [steps, 3]
+            done = recorded_event(self.cuda)
         self.launches += 1
-        return BranchWindow(read, drafted)
+        return BranchWindow(read, drafted, done)
 
     def collect(self, branch: BranchWindow, accepted: int, correction: int, k: int, elb) -> torch.Tensor | None:
         """The first `k` drafts [k, 3] of `branch` when the target rejected where it guessed, with its routing
         counts moved into `elb` (the engine's counters, from which the next window is planned); else None."""
         if not branch.matches(accepted, correction) or branch.choices.shape[0] < k:
             return None
-        if self.cuda:  # the current stream has waited for the side stream (DraftAhead.collect)
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(branch.done)
             branch.choices.record_stream(torch.cuda.current_stream())
         elb.counts.copy_(self.elb.counts)
         self.used += 1
@@ -97,17 +100,6 @@ class DraftBranch:
         else:
             keep = kv_length + 1 + int(position)
             copy_rows(self.cache, source, keep, keep)
-
-    def _read(self, point: torch.Tensor) -> HostRead:
-        """`point` [2] on its way to the host (read after the verify pass, long done by then: it is queued
-        before the branch's draft steps)."""
-        host = torch.empty(2, dtype=torch.long, pin_memory=self.cuda)
-        host.copy_(point, non_blocking=self.cuda)
-        done = None
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record()
-        return HostRead(host, done)
 
     def _side(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()

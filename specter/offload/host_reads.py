@@ -17,6 +17,27 @@ class HostRead:
         return self.host
 
 
+def read_when_reached(tensor: torch.Tensor) -> HostRead:
+    """A small tensor's copy to the host queued on the current stream (pinned, async): `.result()` waits for
+    the stream to reach this point alone, not for what is queued after it. On the CPU the tensor itself."""
+    if not tensor.is_cuda:
+        return HostRead(tensor, None)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostRead(host, done)
+
+
+def recorded_event(cuda: bool):
+    """An event recorded on the current stream (None off CUDA)."""
+    if not cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class HostTap:
     """A small device tensor copied to one pinned host buffer each time `record` runs, even as a node of a
     captured CUDA graph (its event is external, so the host can wait for the graph to reach it)."""
