@@ -103,6 +103,9 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "draft_step_ms": mean("draft_ms") / mean("draft_tokens") if runs[0].get("draft_tokens") else float("nan"),
         "draft_graph": runs[0].get("draft_graph"),
         "verify_ms_per_token": mean("verify_ms") / mean("generated_tokens"),
+        "ahead_launch_host_ms_per_token": mean("draft_ahead_launch_host_ms") / mean("generated_tokens"),
+        "windows_drafted_ahead": mean("draft_ahead_windows") / mean("iterations"),
+        "windows_drafted_by_branch": mean("draft_branch_windows") / mean("iterations"),
         "prefetch_precision": mean("prefetch_precision"), "prefetch_recall": mean("prefetch_recall"),
         "io_floor_ms_per_token": floor,
         **{f"copy_idle_{phase}_ms_per_token": mean(f"copy_idle_{phase}_ms") / mean("generated_tokens")

@@ -59,6 +59,10 @@ class SpecterConfig:
       window's likeliest rejection (the draft position with the smallest margin between its top two tokens,
       corrected to the runner-up), on a stream of its own; the next window takes those drafts when the
       target rejects there with that token (specter.offload.draft_branch).
+    draft_ahead_in_flight: draft-ahead's captured steps (and its branch's) unfinished on their side stream at
+      most, more queued after each verify layer; 0: every step queued when the verify pass starts (dozens of
+      captured steps queued at once can hold up the host's next launches; specter.offload.side_steps).
+      Offloaded engines only (the ticks are the residency manager's layers).
     draft_decode_pairs: routed (token, slot) pairs of a draft call up to which its INT4 experts run through
       the GEMV decode kernel (specter.kernels.int4_decode; a draft step routes k pairs per request), the
       tiled fused kernel beyond; 0: always the tiled kernel (the ablation). CUDA only.
@@ -106,6 +110,7 @@ class SpecterConfig:
     draft_compile: bool = False
     draft_ahead: bool = False
     draft_ahead_branch: bool = False
+    draft_ahead_in_flight: int = 0
     draft_decode_pairs: int = 48
     residual_transfer: bool = False
     host_experts: bool = False
@@ -140,6 +145,7 @@ class SpecterConfig:
             raise SpecterError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         _integer(self, "spare_rows", 0)
         _integer(self, "draft_decode_pairs", 0)
+        _integer(self, "draft_ahead_in_flight", 0)
         _integer(self, "residual_decode_programs", 0)
         _integer(self, "residual_decode_group", 1)
         _integer(self, "host_expert_threads", 0)

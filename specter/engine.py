@@ -59,8 +59,7 @@ class SpecterEngine:
         self.planner = NoPrefetch() if self.unavailable else self._planner()
         self.session = None  # the OffloadSession of the running call
         self.ahead_problem = draft_ahead_problem(self.config, model) if self.config.draft_ahead else "off"
-        self.ahead = None if self.ahead_problem else DraftAhead(model, self.elb, self.config.draft_compile,
-                                                                self.config.k, self.config.draft_ahead_branch)
+        self.ahead = None if self.ahead_problem else self._draft_ahead()
         self.accounting = WindowAccounting()
 
     def available(self) -> tuple[bool, str]:
@@ -123,7 +122,7 @@ class SpecterEngine:
         metrics.end("draft")
         metrics.begin("verify")
         launched = None if self.ahead is None else self.ahead.launch(state, drafts, choices, taken, remaining)
-        with self.verifying(plan):
+        with self.verifying(plan, None if launched is None else launched.advance):
             accepted, new_tokens = verify_and_accept(self.model, state, drafts, draft_probs, self.config,
                                                      self.generator)
         usable = None if self.ahead is None else self.ahead.collect(launched, k, accepted, new_tokens)
@@ -192,9 +191,10 @@ class SpecterEngine:
         if self.session is not None:
             self.session.cache.begin_window()
 
-    def verifying(self, plan: WindowPlan | None):
-        """Context of the window's target pass: the residency manager verifies with `plan`."""
-        return self.session.residency.verifying(plan) if self.session is not None else nullcontext()
+    def verifying(self, plan: WindowPlan | None, between_layers=None):
+        """Context of the window's target pass: the residency manager verifies with `plan` (and calls
+        `between_layers` after each MoE layer)."""
+        return self.session.residency.verifying(plan, between_layers) if self.session is not None else nullcontext()
 
     def close_window(self, plan: WindowPlan | None) -> None:
         """After a verify pass: the target's routing against the plan, the working set and the I/O floor."""
@@ -237,6 +237,13 @@ class SpecterEngine:
         if tap is not None:
             self.elb.set_tap(layer, tap)
         return planner
+
+    def _draft_ahead(self) -> DraftAhead:
+        """Draft-ahead (with its branch where configured); steps queued between verify layers only when
+        offloaded (the residency manager's layers are the ticks)."""
+        cfg = self.config
+        in_flight = cfg.draft_ahead_in_flight if self.offload_config is not None else 0
+        return DraftAhead(self.model, self.elb, cfg.draft_compile, cfg.k, cfg.draft_ahead_branch, in_flight)
 
     def _static_cache(self, length: int):
         """The engine's static KV cache when the draft step runs as a CUDA graph (else None: dynamic KV)."""

@@ -6,6 +6,7 @@ from transformers import DynamicCache, StaticCache
 
 import specter
 from specter.models.hybrid_experts import TARGET
+from specter.offload.side_steps import SideSteps
 from specter.speculative.sampling import draft_choices
 from specter.speculative.state import copy_rows
 from tests.conftest import TINY_MODELS, hf_greedy, prompt, tiny_model
@@ -22,17 +23,19 @@ def test_draft_ahead_is_lossless_and_used(tiny_name, slots):
     assert out.token_ids == hf_greedy(tiny_name, prompt("Natalia sold clips"), NEW), (tiny_name, slots)
     assert out.stats["draft_ahead"] == "on"
     assert 0 < out.stats["draft_ahead_windows"] <= out.stats["draft_ahead_launches"]
+    assert out.stats["draft_ahead_launch_host_ms"] > 0
     if slots:  # offloaded: every window that drafts, ahead or not, has a plan (a last one of k=0 has none)
         assert out.stats["iterations"] - 1 <= len(out.stats["prefetch_trace"]) <= out.stats["iterations"]
 
 
-@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize("slots,in_flight", [(None, 0), (2, 0), (2, 4)])
 @pytest.mark.parametrize("tiny_name", ["tiny-dsv2", "tiny-qwen"])
-def test_draft_ahead_branch_is_lossless_and_used(tiny_name, slots):
+def test_draft_ahead_branch_is_lossless_and_used(tiny_name, slots, in_flight):
     """The branch drafts the window after the likeliest rejection; windows that take its drafts still give
     the target's greedy tokens (both models reject at their smallest margin with the runner-up at least once)."""
     model = specter.load_model(tiny_name, device="cpu", dtype=torch.float32) if slots else tiny_model(tiny_name)
-    config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True, draft_ahead_branch=True)
+    config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True, draft_ahead_branch=True,
+                                   draft_ahead_in_flight=in_flight)
     out = specter.SpecterEngine(model, config).generate(prompt("Natalia sold clips"), NEW)
     assert out.token_ids == hf_greedy(tiny_name, prompt("Natalia sold clips"), NEW), (tiny_name, slots)
     stats = out.stats
@@ -61,6 +64,20 @@ def test_a_window_the_branch_drafted_hands_its_draft_rows_to_the_next_draft_ahea
     engine.ahead.launch = checking_launch
     out = engine.generate(prompt("Natalia sold clips"), NEW)
     assert out.stats["draft_branch_windows"] > 0 and checked and all(checked)
+
+
+def test_side_steps_without_a_stream_queue_every_step_at_once():
+    queued = []
+
+    def chain():
+        for i in range(5):
+            queued.append(i)
+            yield torch.tensor([[i]])
+
+    steps = SideSteps(chain(), None, in_flight=2)  # no stream (the CPU): nothing to keep in flight
+    assert queued == list(range(5)) and steps.done
+    steps.advance()
+    assert [int(t) for t in steps.finish()] == list(range(5))
 
 
 def test_draft_choices_are_the_argmax_the_runner_up_and_their_margin():

@@ -6,6 +6,7 @@ import torch
 
 import specter
 from baselines.target_only import TargetOnly
+from specter.offload.side_steps import SideSteps
 from specter.offload.streams import DeviceStreams
 from tests.conftest import prompt
 
@@ -234,21 +235,44 @@ def test_draft_ahead_on_its_side_stream_stays_lossless(name):
 
 
 @pytest.mark.parametrize("name", ["tiny-dsv2", "tiny-qwen"])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_draft_ahead_branch_on_its_stream_stays_lossless(name, compiled):
-    """draft_ahead_branch: the window after the likeliest rejection drafted on a stream of its own (its own
-    static cache, captured step and counters, its branch point read without a sync at launch); output equals
+@pytest.mark.parametrize("compiled,in_flight", [(False, 0), (False, 2), (True, 2)])
+def test_draft_ahead_branch_on_its_stream_stays_lossless(name, compiled, in_flight):
+    """draft_ahead_branch: the window after the likeliest rejection drafted after draft-ahead's on its side
+    stream (its own static cache, captured step and counters, its branch point read without a sync at
+    launch), all steps queued at launch or `in_flight` at a time between verify layers; output equals
     target-only's, and windows take the branch's drafts."""
     model = specter.load_model(name, device="cuda", dtype=torch.float16)
     ids = prompt("Natalia sold clips")
     reference = TargetOnly(model).generate(ids, 40).token_ids
     config = specter.SpecterConfig(k=3, resident_experts_per_layer=2, draft_ahead=True, draft_ahead_branch=True,
-                                   draft_compile=compiled)
+                                   draft_compile=compiled, draft_ahead_in_flight=in_flight)
     engine = specter.SpecterEngine(model, config)
     first, second = engine.generate(ids, 40), engine.generate(ids, 40)
     assert first.stats["draft_graph"] == ("on, compiled" if compiled else "on")
     assert first.token_ids == second.token_ids == reference
     assert 0 < second.stats["draft_branch_windows"] <= second.stats["draft_branch_launches"]
+
+
+def test_side_steps_keep_at_most_in_flight_steps_unfinished():
+    """SideSteps queues a step only while fewer than `in_flight` of its steps are unfinished (the host
+    queries events and never waits), and `finish` queues the rest."""
+    stream, queued = torch.cuda.Stream(), []
+    a, out = torch.randn(4096, 4096, device="cuda"), torch.empty(4096, 4096, device="cuda")
+
+    def chain():
+        for i in range(8):
+            queued.append(i)
+            for _ in range(4):  # milliseconds on the GPU, microseconds to queue
+                torch.mm(a, a, out=out)
+            yield torch.full((1, 1), i, device="cuda")
+
+    steps = SideSteps(chain(), stream, in_flight=2)
+    steps.advance()
+    assert len(queued) == 2
+    steps.advance()  # both still running: nothing more queued
+    assert len(queued) == 2
+    assert [int(t) for t in steps.finish()] == list(range(8)) and steps.done
+    torch.cuda.synchronize()
 
 
 def test_a_longrope_model_drafts_eagerly_and_leaves_the_cuda_generator_usable():

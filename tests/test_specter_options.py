@@ -17,7 +17,7 @@ from tests.conftest import tiny_model
 NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "prefetch_victims": "stale",
                "initial_chunk": 3,
                "early_read_fraction": 0.5, "prefetch_chunk": 2, "verify_wave": 2, "load_ahead_layers": 0,
-               "copy_streams": 2, "spare_rows": 8, "cuda_graph": False, "draft_compile": True, "draft_ahead": True, "draft_ahead_branch": True,
+               "copy_streams": 2, "spare_rows": 8, "cuda_graph": False, "draft_compile": True, "draft_ahead": True, "draft_ahead_branch": True, "draft_ahead_in_flight": 4,
                "draft_decode_pairs": 0, "residual_transfer": True, "residual_decode_programs": 32,
                "residual_decode_group": 4, "residual_group_copies": True, "host_experts": True, "host_expert_threads": 3,
                "copy_issue": "cudart", "max_cache_len": 512}
@@ -112,7 +112,7 @@ BAD_VALUES = [("k", True), ("k", 2.5), ("k", "4"), ("k", 0), ("resident_experts_
               ("resident_experts_per_layer", 0), ("temperature", math.nan), ("temperature", math.inf),
               ("temperature", -1), ("temperature", "0"), ("temperature", True), ("top_p", 0), ("top_p", 1.5),
               ("top_p", math.nan), ("top_p", True), ("seed", 1.5), ("seed", True), ("seed", "0"), ("prefetch", 1),
-              ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("draft_compile", 1), ("draft_ahead", "yes"), ("draft_ahead_branch", 1), ("draft_decode_pairs", -1), ("draft_decode_pairs", 1.5), ("residual_transfer", 1), ("residual_decode_programs", -1),
+              ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("draft_compile", 1), ("draft_ahead", "yes"), ("draft_ahead_branch", 1), ("draft_ahead_in_flight", -1), ("draft_decode_pairs", -1), ("draft_decode_pairs", 1.5), ("residual_transfer", 1), ("residual_decode_programs", -1),
               ("residual_decode_group", 0), ("residual_group_copies", 1), ("host_experts", "no"), ("host_expert_threads", -1),
               ("host_expert_threads", 1.5), ("copy_issue", "dma"), ("copy_issue", None),
               ("eviction", "fifo"), ("prefetch_victims", "none"), ("prefetch_victims", None),

@@ -10,11 +10,15 @@ The draft's cache holds the committed target rows (copied from the request's cac
 pass writes there) and the draft's own rows of the window being verified: copied too when that window
 was drafted normally, kept from the previous draft-ahead when it was drafted ahead.
 
-With a branch (`specter.offload.draft_branch`), the window's likeliest rejection is drafted from too, on
-a stream of its own, and the next window takes those drafts when the target rejects there.
+With a branch (`specter.offload.draft_branch`), the window's likeliest rejection is drafted from too, after
+it on the same stream, and the next window takes those drafts when the target rejects there.
+
+The draft steps queue as `SideSteps`: all at once, or with `in_flight` a few at a time between verify
+layers (`Launched.advance`); the host never waits for a draft step, the device only for those it uses.
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -23,20 +27,20 @@ from transformers import StaticCache
 
 from specter.models.hybrid_experts import DRAFT
 from specter.offload.draft_branch import BranchWindow, DraftBranch
-from specter.offload.draft_graph import DraftGraphCache
+from specter.offload.draft_graph import DraftGraphCache, draft_chain
 from specter.offload.host_reads import HostRead, read_when_reached, recorded_event
-from specter.speculative.sampling import draft_choices
+from specter.offload.side_steps import SideSteps
 from specter.speculative.state import copy_rows, rope_switch
 
 
 @dataclass
 class AheadWindow:
-    """Drafts made ahead for a window of `k` tokens, usable when the target's bonus token equals `guess`
-    (None: drafted by the branch, whose cache holds the window's draft rows)."""
+    """Drafts made ahead for a window of `k` tokens (`guess`: the bonus token they follow; None when the
+    branch drafted them, whose cache holds the window's draft rows)."""
 
     k: int
-    guess: HostRead | None  # reads [1]: the draft's guess of the bonus token after the verified window
-    choices: torch.Tensor  # [k, 3] the next window's drafts, their runner-ups and margins ([k, 1]: drafts only)
+    guess: HostRead | None  # reads [1]
+    choices: torch.Tensor  # [k, 3] the drafts, their runner-ups and margins ([k, 1]: drafts only)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -45,13 +49,20 @@ class AheadWindow:
 
 @dataclass
 class Launched:
-    """What one launch drafts during a verify pass: the next window if the window is accepted whole, and the
-    branch's (None without one); `window_k(committed)`: the next window's length after `committed` tokens."""
+    """What one launch drafts during a verify pass: `guess` (reads the draft's guess of the bonus token
+    [1]), the next window's steps if the window is accepted whole with it, and the branch (None without
+    one); `window_k(committed)`: the next window's length after `committed` tokens."""
 
-    whole: AheadWindow
+    guess: HostRead
+    whole: SideSteps
     branch: BranchWindow | None
     window_k: object
-    whole_done: object = None  # an event after the whole window's drafts (None on the CPU)
+
+    def advance(self) -> None:
+        """Queue a few more draft steps, the whole window's first (called between verify layers)."""
+        self.whole.advance()
+        if self.whole.done and self.branch is not None:
+            self.branch.steps.advance()
 
 
 def draft_ahead_problem(config, model) -> str:
@@ -65,20 +76,22 @@ def draft_ahead_problem(config, model) -> str:
 
 class DraftAhead:
     """The draft's own KV cache (static, with its own captured step, where the engine's is), its side stream,
-    the drafts of the window being verified and, with `branch`, a DraftBranch."""
+    the drafts of the window being verified and, with `branch`, a DraftBranch. `in_flight`: draft steps
+    unfinished on the side stream at most (0: all queued at launch; SideSteps)."""
 
-    def __init__(self, model, elb, compiled: bool, k_max: int, branch: bool = False) -> None:
-        self.model, self.elb, self.k_max = model, elb, k_max
+    def __init__(self, model, elb, compiled: bool, k_max: int, branch: bool = False, in_flight: int = 0) -> None:
+        self.model, self.elb, self.k_max, self.in_flight = model, elb, k_max, in_flight
         self.graphs = DraftGraphCache(model, elb, compiled, choices=branch)
         self.cuda = model.device.type == "cuda"
         self.stream = torch.cuda.Stream(model.device) if self.cuda else None
-        self.branch = DraftBranch(model, compiled, self.stream) if branch else None
+        self.branch = DraftBranch(model, compiled, self.stream, in_flight) if branch else None
         self.cache = None
         self.launches = self.used = 0
+        self.launch_host_ms = 0.0  # host time in launch (queueing dozens of captured steps can block it)
 
     def reset(self) -> None:
         """Any request starts: nothing drafted ahead yet (a batch never drafts ahead)."""
-        self.cache, self.launches, self.used = None, 0, 0
+        self.cache, self.launches, self.used, self.launch_host_ms = None, 0, 0, 0.0
         if self.branch is not None:
             self.branch.reset()
 
@@ -103,62 +116,78 @@ class DraftAhead:
         kv_length, k, next_k = state.kv_length, drafts.numel(), window_k(drafts.numel() + 1)
         if next_k < 1 or k == 0:
             return None
-        drafted_ahead = window is not None
-        # committed rows, and the window's draft rows where the request's cache still holds them (static)
-        rows = kv_length if drafted_ahead or not isinstance(state.cache, StaticCache) else kv_length + k
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())  # the window's drafts and KV are written
-        with self._side():  # a window drafted ahead keeps the draft rows of it (the branch's: copied here)
-            if drafted_ahead and window.guess is None:
-                copy_rows(self.cache, self.branch.cache, kv_length + k, kv_length + k)
-            copy_rows(self.cache, state.cache, rows, kv_length + k if drafted_ahead else rows)
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)  # the verify pass writes after the copy
+        started = time.perf_counter()
+        self._copy_rows(state, k, window)
+        graph = self.graphs.graph(None, self.cache)
         with self._side():
-            if not drafted_ahead and rows == kv_length:  # a dynamic cache dropped the window's draft rows
+            if window is None and not isinstance(state.cache, StaticCache):  # the window's draft rows were dropped
                 window_inputs = torch.cat([state.uncached().view(-1), drafts[:-1]]).view(1, -1)  # [1, k]
                 self.model.forward(window_inputs, self.cache, DRAFT)
-            guess = self._draft(drafts[-1:], 1)[:, 0]  # [1]: the draft's guess of the bonus token
+            guess = list(draft_chain(self.model, graph, self.cache, self.elb, drafts[-1:], 1))[0][:, 0]  # [1]
             guess_read = read_when_reached(guess)  # read after the verify pass without waiting for what follows
-            steps = self._draft(guess, next_k)  # [next_k, 3]
-            whole_done = recorded_event(self.cuda)
+        in_flight = self.in_flight if graph is not None else 0  # an eager chain runs at once
+        whole = SideSteps(draft_chain(self.model, graph, self.cache, self.elb, guess, next_k), self.stream, in_flight)
         branch = None
         if self.branch is not None and choices is not None and window_k(1) >= 1:
-            branch = self.branch.launch(self.cache, kv_length, choices, window_k(1))  # after, on the same stream
+            branch = self.branch.launch(self.cache, kv_length, choices, window_k(1))
         self.launches += 1
-        return Launched(AheadWindow(next_k, guess_read, steps), branch, window_k, whole_done)
+        self.launch_host_ms += (time.perf_counter() - started) * 1e3
+        return Launched(guess_read, whole, branch, window_k)
 
     def collect(self, launched: Launched | None, k: int, accepted: int, new_tokens: list[int]) -> AheadWindow | None:
         """After the verify pass: the drafts made ahead if the whole window was accepted with the guessed
         bonus token, or the branch's if it was rejected where and as the branch guessed; else None and the
-        draft's counts of them cleared. The host waits for no draft step: the device does, for those it needs."""
+        draft's counts of them cleared. The host waits for no draft step: the device does, for those it
+        needs before its next work (the current stream's draft steps share the draft kernels' workspace)."""
         if launched is None:
             self._wait_side()
             return None
-        whole = launched.whole
-        if accepted == k and new_tokens[-1] == int(whole.guess.result()[0]):
-            self.used += 1
+        if accepted == k and new_tokens[-1] == int(launched.guess.result()[0]):
+            choices = torch.cat(launched.whole.finish())  # [next_k, 3]
             if self.cuda:  # the next verify pass reads them on this stream (the branch may still be drafting)
-                torch.cuda.current_stream().wait_event(launched.whole_done)
-                whole.choices.record_stream(torch.cuda.current_stream())
-            return whole
-        self._wait_side()  # the next draft steps share the draft kernels' workspace with the side stream's
-        if launched.branch is not None:
-            next_k = launched.window_k(len(new_tokens))
-            choices = self.branch.collect(launched.branch, accepted, new_tokens[-1], next_k, self.elb)
-            if choices is not None:
-                return AheadWindow(next_k, None, choices)
-        self.elb.clear()
-        return None
+                with self._side():
+                    done = recorded_event(True)
+                torch.cuda.current_stream().wait_event(done)
+                choices.record_stream(torch.cuda.current_stream())
+            self.used += 1
+            return AheadWindow(choices.shape[0], launched.guess, choices)
+        next_k = launched.window_k(len(new_tokens))
+        branch = launched.branch
+        choices = None if branch is None else self.branch.collect(branch, accepted, new_tokens[-1], next_k)
+        self._wait_side()
+        if choices is None:
+            self.elb.clear()
+            return None
+        self.branch.move_counts(self.elb)
+        if self.cuda:
+            choices.record_stream(torch.cuda.current_stream())
+        return AheadWindow(next_k, None, choices)
 
     def stats(self) -> dict:
         """"on" with the request's launches and the windows that took their drafts ("off" for a batch)."""
         if self.cache is None:
             return {"draft_ahead": "off: batched decoding (single requests only)"}
-        stats = {"draft_ahead": "on", "draft_ahead_launches": self.launches, "draft_ahead_windows": self.used}
+        stats = {"draft_ahead": "on", "draft_ahead_launches": self.launches, "draft_ahead_windows": self.used,
+                 "draft_ahead_launch_host_ms": self.launch_host_ms}
         if self.branch is not None:
             stats.update(draft_branch_launches=self.branch.launches, draft_branch_windows=self.branch.used)
         return stats
+
+    def _copy_rows(self, state, k: int, window: AheadWindow | None) -> None:
+        """This cache: the request's committed rows, then the window's draft rows: the request's where it
+        still holds them (static), its own where it drafted the window, the branch's where that did.
+
+        Copied on the current stream, before the verify pass writes the request's cache; the side stream then
+        waits for it. Nothing on the side stream reads or writes this cache now (`collect` waited for this
+        cache's steps); a branch's steps from the previous launch may still run there, and the verify pass
+        does not wait for them."""
+        kv_length = state.kv_length
+        rows = kv_length if window is not None or not isinstance(state.cache, StaticCache) else kv_length + k
+        if window is not None and window.guess is None:
+            copy_rows(self.cache, self.branch.cache, kv_length + k, kv_length + k)
+        copy_rows(self.cache, state.cache, rows, kv_length + k if window is not None else rows)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())  # the copy, the window's drafts and KV
 
     def _wait_side(self) -> None:
         """The current stream waits for everything queued on the side stream (the host does not)."""
@@ -167,19 +196,3 @@ class DraftAhead:
 
     def _side(self):
         return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
-
-    def _draft(self, token: torch.Tensor, steps: int) -> torch.Tensor:
-        """`steps` greedy draft choices [steps, 3] (or [steps, 1]: tokens only, without a branch) chained from
-        `token` [1] over the draft's cache; routing counted."""
-        graph = self.graphs.graph(None, self.cache)
-        out = []
-        observing = nullcontext() if graph is not None else self.model.observe_draft_routing(self.elb.observe)
-        with observing:
-            for _ in range(steps):
-                if graph is not None:
-                    choice = graph.step_choices(token)  # [1, 3] or [1, 1]
-                else:
-                    choice = draft_choices(self.model.forward(token.view(1, 1), self.cache, DRAFT)[0, -1:])
-                out.append(choice)
-                token = choice[:, 0]
-        return torch.cat(out)

@@ -9,7 +9,9 @@ stream: the captured draft steps share the draft kernels' workspace, so they nev
 target rejects exactly there and corrects to the runner-up, the next window takes the branch's drafts.
 The target decides every committed token either way (greedy only).
 
-The branch point stays on the device (no host sync at launch); the host reads it after the verify pass.
+The branch point stays on the device (no host sync at launch); the host reads it after the verify pass. The
+branch's steps are queued after draft-ahead's (`SideSteps`); those never queued when its window is not taken
+cost nothing.
 """
 from __future__ import annotations
 
@@ -19,11 +21,10 @@ from dataclasses import dataclass
 import torch
 from transformers import StaticCache
 
-from specter.models.hybrid_experts import DRAFT
-from specter.offload.draft_graph import DraftGraphCache
-from specter.offload.host_reads import HostRead, read_when_reached, recorded_event
+from specter.offload.draft_graph import DraftGraphCache, draft_chain
+from specter.offload.host_reads import HostRead, read_when_reached
+from specter.offload.side_steps import SideSteps
 from specter.prefetch.lookahead import ExpertLookaheadBuffer
-from specter.speculative.sampling import draft_choices
 from specter.speculative.state import copy_rows
 
 
@@ -32,8 +33,7 @@ class BranchWindow:
     """Drafts made from a guessed rejection: `point` reads (position in the window, correction token) [2]."""
 
     point: HostRead
-    choices: torch.Tensor  # [steps, 3] the branch's drafts with their runner-ups and margins
-    done: object  # an event after its draft steps (None on the CPU)
+    steps: SideSteps  # the branch's draft steps: choices [1, 3] each (drafts, runner-ups, margins)
 
     def matches(self, accepted: int, correction: int) -> bool:
         """Whether the target rejected the window at the branch's position with the branch's token."""
@@ -44,13 +44,12 @@ class BranchWindow:
 class DraftBranch:
     """The branch's KV cache (static, with its own captured step, where draft-ahead's is) and its lookahead
     counters (the routing of its drafts, the next window's plan when it is taken); it drafts on `stream`
-    (draft-ahead's side stream; None on the CPU)."""
+    (draft-ahead's side stream; None on the CPU), at most `in_flight` steps unfinished (SideSteps)."""
 
-    def __init__(self, model, compiled: bool, stream) -> None:
-        self.model, self.stream = model, stream
+    def __init__(self, model, compiled: bool, stream, in_flight: int) -> None:
+        self.model, self.stream, self.in_flight = model, stream, in_flight
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
         self.graphs = DraftGraphCache(model, self.elb, compiled, choices=True)
-        self.cuda = stream is not None
         self.cache = None
         self.launches = self.used = 0
 
@@ -64,30 +63,35 @@ class DraftBranch:
     def launch(self, source, kv_length: int, choices: torch.Tensor, steps: int) -> BranchWindow:
         """Draft `steps` tokens after the window of `choices` [k, 3] (its drafts, runner-ups, margins) rejected
         at its smallest margin; `source` (draft-ahead's cache) holds the committed rows and the window's
-        draft rows when the side stream gets here."""
+        draft rows when the side stream gets here. Its steps queue as SideSteps."""
         k = choices.shape[0]
-        with self._side():
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             position = choices[:, 2].argmin()  # device scalar
             point = torch.stack([position, choices[position, 1]])  # [2]
-            read = read_when_reached(point)  # queued before the draft steps: done long before it is read
+            read = read_when_reached(point)  # queued before any draft step: done long before it is read
             self._copy_rows(source, kv_length, k, position)
             self.elb.clear()
-            drafted = self._draft(point[1:], steps)  # [steps, 3]
-            done = recorded_event(self.cuda)
+        graph = self.graphs.graph(None, self.cache)
+        chain = draft_chain(self.model, graph, self.cache, self.elb, point[1:], steps)
         self.launches += 1
-        return BranchWindow(read, drafted, done)
+        return BranchWindow(read, SideSteps(chain, self.stream, self.in_flight if graph is not None else 0))
 
-    def collect(self, branch: BranchWindow, accepted: int, correction: int, k: int, elb) -> torch.Tensor | None:
-        """The first `k` drafts [k, 3] of `branch` when the target rejected where it guessed, with its routing
-        counts moved into `elb` (the engine's counters, from which the next window is planned); else None."""
-        if not branch.matches(accepted, correction) or branch.choices.shape[0] < k:
+    def collect(self, branch: BranchWindow, accepted: int, correction: int, k: int) -> torch.Tensor | None:
+        """The first `k` drafts [k, 3] of `branch` (its steps not yet queued are queued now) when the target
+        rejected where it guessed, else None. The caller has the current stream wait for the side stream,
+        then takes the branch's counts (`move_counts`)."""
+        if not branch.matches(accepted, correction):
             return None
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(branch.done)
-            branch.choices.record_stream(torch.cuda.current_stream())
-        elb.counts.copy_(self.elb.counts)
+        choices = torch.cat(branch.steps.finish())  # [steps, 3]
+        if choices.shape[0] < k:
+            return None
         self.used += 1
-        return branch.choices[:k]
+        return choices[:k]
+
+    def move_counts(self, elb) -> None:
+        """The branch's routing counts into `elb` (the engine's counters, from which the next window is
+        planned), on the current stream."""
+        elb.counts.copy_(self.elb.counts)
 
     def _copy_rows(self, source, kv_length: int, k: int, position: torch.Tensor) -> None:
         """The branch's cache: `source`'s committed rows and the window's draft rows before the correction
@@ -100,21 +104,3 @@ class DraftBranch:
         else:
             keep = kv_length + 1 + int(position)
             copy_rows(self.cache, source, keep, keep)
-
-    def _side(self):
-        return torch.cuda.stream(self.stream) if self.cuda else nullcontext()
-
-    def _draft(self, token: torch.Tensor, steps: int) -> torch.Tensor:
-        """`steps` greedy draft choices [steps, 3] chained from `token` [1] over the branch's cache."""
-        graph = self.graphs.graph(None, self.cache)
-        out = []
-        observing = nullcontext() if graph is not None else self.model.observe_draft_routing(self.elb.observe)
-        with observing:
-            for _ in range(steps):
-                if graph is not None:
-                    choice = graph.step_choices(token)
-                else:
-                    choice = draft_choices(self.model.forward(token.view(1, 1), self.cache, DRAFT)[0, -1:])
-                out.append(choice)
-                token = choice[:, 0]
-        return torch.cat(out)

@@ -1,6 +1,7 @@
 """The greedy draft step (a token per request through every layer, INT4 experts, lookahead counters) as a CUDA graph."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,24 @@ def draft_step_fn(model, compiled: bool = False, choices: bool = False):
                 torch._inductor.config.patch(emulate_precision_casts=True):
             return compiled_step(tokens, cache, mask, positions)
     return step_within_limit
+
+
+def draft_chain(model, graph, cache, elb, token: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    """The greedy draft's choices of `steps` steps chained from `token` [1] over `cache`, one step per item:
+    replays of `graph` ([1, 3] or [1, 1], as captured) when there is one, else eager forwards ([1, 3]) with
+    their routing counted into `elb` (drain an eager chain at once: its routing observer is installed while
+    it runs)."""
+    if graph is not None:
+        for _ in range(steps):
+            choice = graph.step_choices(token)
+            token = choice[:, 0]
+            yield choice
+        return
+    with model.observe_draft_routing(elb.observe):
+        for _ in range(steps):
+            choice = draft_choices(model.forward(token.view(1, 1), cache, DRAFT)[0, -1:])  # [1, 3]
+            token = choice[:, 0]
+            yield choice
 
 
 def recompile_limit(model) -> int:

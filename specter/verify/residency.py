@@ -88,6 +88,7 @@ class ResidencyManager:
         self.host_runner = host_runner  # runs planned cold experts on the CPU (None: every one is loaded)
         self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
         self.plan = None  # the WindowPlan of the window being verified (None: load on demand)
+        self.between_layers = None  # called after each verify layer of the window (None: nothing)
         self.reset()
 
     def reset(self) -> None:
@@ -99,19 +100,22 @@ class ResidencyManager:
         self.host_expert_bytes = 0  # what their rows move over PCIe: hidden rows to the host, outputs back
 
     @contextmanager
-    def verifying(self, plan) -> Iterator[None]:
-        """Verify one window with `plan` (prefetch.planner.WindowPlan, or None: load on demand) inside the block."""
-        self.plan = plan
+    def verifying(self, plan, between_layers=None) -> Iterator[None]:
+        """Verify one window with `plan` (prefetch.planner.WindowPlan, or None: load on demand) inside the block;
+        `between_layers()` runs after each of its MoE layers has queued its work (draft-ahead's steps)."""
+        self.plan, self.between_layers = plan, between_layers
         try:
             yield
         finally:
-            self.plan = None
+            self.plan = self.between_layers = None
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         out = self._verify_layer(module, hidden, top_k_index, top_k_weights)
         self.host_ms += (time.perf_counter() - start) * 1e3
+        if self.between_layers is not None:
+            self.between_layers()
         return out
 
     def _verify_layer(self, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
