@@ -114,7 +114,7 @@ class SpecterEngine:
         metrics.begin("draft")
         taken = ahead if ahead is not None and ahead.k == k else None  # drafts made ahead for this window
         if ahead is not None and taken is None:
-            self.elb.clear()  # its routing counts are not this window's
+            self.ahead.discard()  # its routing counts are not this window's
         if taken is not None:
             drafts, draft_probs, choices, plan = taken.tokens, None, taken.choices, self.plan_ahead_window(k)
         else:

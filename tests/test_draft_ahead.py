@@ -66,6 +66,13 @@ def test_a_window_the_branch_drafted_hands_its_draft_rows_to_the_next_draft_ahea
     assert out.stats["draft_branch_windows"] > 0 and checked and all(checked)
 
 
+def test_drafts_made_ahead_that_no_window_takes_leave_no_counts():
+    engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=3, draft_ahead=True))
+    engine.elb.counts.fill_(1)  # as if a draft-ahead had counted its routing
+    engine.ahead.discard()
+    assert int(engine.elb.counts.sum()) == 0
+
+
 def test_side_steps_without_a_stream_queue_every_step_at_once():
     queued = []
 

@@ -163,6 +163,12 @@ class DraftAhead:
             choices.record_stream(torch.cuda.current_stream())
         return AheadWindow(next_k, None, choices)
 
+    def discard(self) -> None:
+        """Drafts made ahead that the next window does not take: their counts cleared once the side stream's
+        steps are done (the device waits; the window's own draft steps share their workspace)."""
+        self._wait_side()
+        self.elb.clear()
+
     def stats(self) -> dict:
         """"on" with the request's launches and the windows that took their drafts ("off" for a batch)."""
         if self.cache is None:
