@@ -19,6 +19,7 @@ layers (`Launched.advance`); the host never waits for a draft step, the device o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ class Launched:
     guess: HostRead
     whole: SideSteps
     branch: BranchWindow | None
-    window_k: object
+    window_k: Callable[[int], int]
 
     def advance(self) -> None:
         """Queue a few more draft steps, the whole window's first (called between verify layers)."""
@@ -102,7 +103,7 @@ class DraftAhead:
         if self.branch is not None:
             self.branch.begin_request(request_cache, length)
 
-    def window_k(self, remaining: int):
+    def window_k(self, remaining: int) -> Callable[[int], int]:
         """committed -> the next window's length once `committed` of the `remaining` tokens are committed."""
         return lambda committed: min(self.k_max, remaining - committed - 1)
 

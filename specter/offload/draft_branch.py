@@ -1,4 +1,4 @@
-"""Draft-ahead's branch: the next window drafted from the window's likeliest rejection, on a stream of its own.
+"""Draft-ahead's branch: during the verify pass, the next window drafted from the window's likeliest rejection.
 
 A window the target does not accept whole makes the next window draft its k tokens with the verify pass
 unable to start. The branch guesses where and how the window ends instead: at the draft position with the
