@@ -88,7 +88,7 @@ class DraftAhead:
         self.branch = DraftBranch(model, compiled, self.stream, in_flight) if branch else None
         self.cache = None
         self.launches = self.used = 0
-        self.launch_host_ms = 0.0  # host time in launch (queueing dozens of captured steps can block it)
+        self.launch_host_ms = 0.0  # host time in launch (queueing dozens of captured steps may block it)
 
     def reset(self) -> None:
         """Any request starts: nothing drafted ahead yet (a batch never drafts ahead)."""

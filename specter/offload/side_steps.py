@@ -1,4 +1,4 @@
-"""Draft steps queued on a side stream a few at a time, so that a long queue of them never blocks the host."""
+"""Draft steps queued on a side stream a few at a time, so that a long queue of them cannot hold up the host."""
 from __future__ import annotations
 
 from collections import deque
@@ -16,8 +16,8 @@ class SideSteps:
 
     With `in_flight` > 0 on CUDA, `advance` queues steps while fewer than `in_flight` of those it queued are
     unfinished (the host queries their events, it never waits): a captured draft step is a graph of about a
-    thousand kernels, and dozens of them queued at once can hold up every launch the host makes next, the
-    verify pass's included. Otherwise (in_flight 0, or no stream) every step is queued at once. `finish`
+    thousand kernels, and dozens of them queued at once may hold up the launches the host makes next (the
+    verify pass's; not yet measured). Otherwise (in_flight 0, or no stream) every step is queued at once. `finish`
     queues the steps not yet queued and returns every output; steps never queued cost nothing.
     """
 
