@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from specter.offload.bandwidth import BandwidthMeter
-from specter.offload.host_reads import HostRead, HostTap
+from specter.offload.host_reads import HostRead, HostTap, read_when_reached
 
 UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: every other one)
 STAGING_BYTES = 128 * 2**20  # device memory for residual blobs between their copy and their decode
@@ -305,13 +305,7 @@ class DeviceStreams:
     def read_later(self, tensor: torch.Tensor) -> HostRead:
         """Start copying a small device tensor to the host now (pinned, async); `.result()` waits for that
         copy alone, so work enqueued after this call keeps the GPU busy while the host waits."""
-        if not self.cuda:
-            return HostRead(tensor, None)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(self.compute_stream())
-        return HostRead(host, done)
+        return read_when_reached(tensor) if self.cuda else HostRead(tensor, None)  # queued on the compute stream
 
     def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
         """A small host tensor on the device, copied on the current stream without the host waiting for the
