@@ -75,6 +75,7 @@ def warm_up_first_use(systems: list, prompts, new_tokens: int) -> None:
 
 def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
     mean = lambda key: sum(r.get(key, float("nan")) for r in runs) / len(runs)  # noqa: E731
+    per = lambda key, by: mean(key) / mean(by) if mean(by) else float("nan")  # target-only has no windows
     tokens = sum(r["generated_tokens"] for r in runs)
     floor = None
     if "io_floor_bytes" in runs[0]:
@@ -104,8 +105,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "draft_graph": runs[0].get("draft_graph"),
         "verify_ms_per_token": mean("verify_ms") / mean("generated_tokens"),
         "ahead_launch_host_ms_per_token": mean("draft_ahead_launch_host_ms") / mean("generated_tokens"),
-        "windows_drafted_ahead": mean("draft_ahead_windows") / mean("iterations"),
-        "windows_drafted_by_branch": mean("draft_branch_windows") / mean("iterations"),
+        "windows_drafted_ahead": per("draft_ahead_windows", "iterations"),
+        "windows_drafted_by_branch": per("draft_branch_windows", "iterations"),
         "prefetch_precision": mean("prefetch_precision"), "prefetch_recall": mean("prefetch_recall"),
         "io_floor_ms_per_token": floor,
         **{f"copy_idle_{phase}_ms_per_token": mean(f"copy_idle_{phase}_ms") / mean("generated_tokens")

@@ -144,25 +144,23 @@ class DraftAhead:
             self._wait_side()
             return None
         if accepted == k and new_tokens[-1] == int(launched.guess.result()[0]):
-            choices = torch.cat(launched.whole.finish())  # [next_k, 3]
-            if self.cuda:  # the next verify pass reads them on this stream (the branch may still be drafting)
+            outputs = launched.whole.finish()
+            if self.cuda:  # read on this stream once the window's steps are done (the branch may still draft)
                 with self._side():
                     done = recorded_event(True)
                 torch.cuda.current_stream().wait_event(done)
-                choices.record_stream(torch.cuda.current_stream())
             self.used += 1
+            choices = self._on_current_stream(outputs)  # [next_k, 3]
             return AheadWindow(choices.shape[0], launched.guess, choices)
         next_k = launched.window_k(len(new_tokens))
         branch = launched.branch
-        choices = None if branch is None else self.branch.collect(branch, accepted, new_tokens[-1], next_k)
+        outputs = None if branch is None else self.branch.collect(branch, accepted, new_tokens[-1], next_k)
         self._wait_side()
-        if choices is None:
+        if outputs is None:
             self.elb.clear()
             return None
         self.branch.move_counts(self.elb)
-        if self.cuda:
-            choices.record_stream(torch.cuda.current_stream())
-        return AheadWindow(next_k, None, choices)
+        return AheadWindow(next_k, None, self._on_current_stream(outputs))
 
     def discard(self) -> None:
         """Drafts made ahead that the next window does not take: their counts cleared once the side stream's
@@ -195,6 +193,14 @@ class DraftAhead:
         copy_rows(self.cache, state.cache, rows, kv_length + k if window is not None else rows)
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())  # the copy, the window's drafts and KV
+
+    def _on_current_stream(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The side stream's step outputs ([1, 3] each) as one tensor [n, 3] made on the current stream, which
+        has waited for them; the outputs' memory is not reused until the current stream has read it."""
+        if self.cuda:
+            for output in outputs:
+                output.record_stream(torch.cuda.current_stream())
+        return torch.cat(outputs)
 
     def _wait_side(self) -> None:
         """The current stream waits for everything queued on the side stream (the host does not)."""

@@ -76,17 +76,17 @@ class DraftBranch:
         self.launches += 1
         return BranchWindow(read, SideSteps(chain, self.stream, self.in_flight if graph is not None else 0))
 
-    def collect(self, branch: BranchWindow, accepted: int, correction: int, k: int) -> torch.Tensor | None:
-        """The first `k` drafts [k, 3] of `branch` (its steps not yet queued are queued now) when the target
-        rejected where it guessed, else None. The caller has the current stream wait for the side stream,
-        then takes the branch's counts (`move_counts`)."""
+    def collect(self, branch: BranchWindow, accepted: int, correction: int, k: int) -> list[torch.Tensor] | None:
+        """The outputs of `branch`'s first `k` steps ([1, 3] each; its steps not yet queued are queued now)
+        when the target rejected where it guessed, else None. The caller has the current stream wait for the
+        side stream before it reads them, then takes the branch's counts (`move_counts`)."""
         if not branch.matches(accepted, correction):
             return None
-        choices = torch.cat(branch.steps.finish())  # [steps, 3]
-        if choices.shape[0] < k:
+        outputs = branch.steps.finish()
+        if len(outputs) < k:
             return None
         self.used += 1
-        return choices[:k]
+        return outputs[:k]
 
     def move_counts(self, elb) -> None:
         """The branch's routing counts into `elb` (the engine's counters, from which the next window is
