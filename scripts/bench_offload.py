@@ -107,6 +107,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "ahead_launch_host_ms_per_token": mean("draft_ahead_launch_host_ms") / mean("generated_tokens"),
         "windows_drafted_ahead": per("draft_ahead_windows", "iterations"),
         "windows_drafted_by_branch": per("draft_branch_windows", "iterations"),
+        "first_windows_from_prompt": mean("draft_ahead_prompt_windows"),
         "prefetch_precision": mean("prefetch_precision"), "prefetch_recall": mean("prefetch_recall"),
         "io_floor_ms_per_token": floor,
         **{f"copy_idle_{phase}_ms_per_token": mean(f"copy_idle_{phase}_ms") / mean("generated_tokens")

@@ -46,8 +46,8 @@
 # TPOT min-max per system and a host profile of one more decode of each (bench_offload.py --repeats).
 # ahead: the GPU tests of draft-ahead, its branch and SideSteps, then calibrated dsv2 (AHEAD_MEM, default high;
 # AHEAD_K, default 32; AHEAD_REPEATS decodes of the built-in prompts, default 2) with Specter and AHEAD_VARIANTS
-# (default: the three options; with draft_ahead_in_flight=4; with it and draft_ahead_branch), each row as measured,
-# with the host's time in draft-ahead's launch and the windows drafted ahead and by the branch (OUT/ahead/offload.csv).
+# (default: the three options; with draft_ahead_prompt), each row as measured, with the host's time in draft-ahead's
+# launch and the windows drafted ahead, by the branch and from the prompt (OUT/ahead/offload.csv).
 # calibration: each of CAL_MODELS (default "phi mixtral") calibrated at its real depth in fp16, the registry's
 # profile as committed: routing against the real row, Specter's acceptance with RTN and GPTQ drafts
 # (fit_calibration.py --check-only --check-gptq, CAL_PROMPTS per dataset, default 1; phi about 250 s, mixtral 300 s:
@@ -108,8 +108,7 @@ for step in "${STEPS[@]}"; do
            python3 scripts/bench_offload.py --models dsv2 --mem "${AHEAD_MEM:-high}" --k "${AHEAD_K:-32}" --quick \
              --weights calibrated --repeats "${AHEAD_REPEATS:-2}" --out "$OUT/ahead" --variants ${AHEAD_VARIANTS:-\
              residual_transfer=true,draft_ahead=true,draft_compile=true \
-             residual_transfer=true,draft_ahead=true,draft_compile=true,draft_ahead_in_flight=4 \
-             residual_transfer=true,draft_ahead=true,draft_compile=true,draft_ahead_in_flight=4,draft_ahead_branch=true} \
+             residual_transfer=true,draft_ahead=true,draft_compile=true,draft_ahead_prompt=true} \
              2>&1 | grep --line-buffered -v -i -E "warn|max_cache_len" | tee "$OUT/ahead.log" \
              | grep -E "^   [a-z_=,0-9]+: [0-9]+ s;"; [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     calibration) rc=0  # each model's committed profile at its real depth: routing, RTN and GPTQ acceptance

@@ -59,6 +59,9 @@ class SpecterConfig:
       window's likeliest rejection (the draft position with the smallest margin between its top two tokens,
       corrected to the runner-up), on a stream of its own; the next window takes those drafts when the
       target rejects there with that token (specter.offload.draft_branch).
+    draft_ahead_prompt: with draft_ahead, the first window is drafted from the prompt on the side stream while
+      the target's prefill runs (the draft's own KV rows of the prompt, its guess of the first token, k steps
+      after it); the first window takes those drafts when the guess is the target's first token.
     draft_ahead_in_flight: draft-ahead's captured steps (and its branch's) unfinished on their side stream at
       most, more queued after each verify layer; 0: every step queued when the verify pass starts (dozens of
       captured steps queued at once may hold up the host's next launches; specter.offload.side_steps).
@@ -110,6 +113,7 @@ class SpecterConfig:
     draft_compile: bool = False
     draft_ahead: bool = False
     draft_ahead_branch: bool = False
+    draft_ahead_prompt: bool = False
     draft_ahead_in_flight: int = 0
     draft_decode_pairs: int = 48
     residual_transfer: bool = False
@@ -129,7 +133,7 @@ class SpecterConfig:
         _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
         _integer(self, "seed", None)
         for name in ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "draft_ahead_branch",
-                     "residual_transfer", "host_experts", "residual_group_copies"):
+                     "draft_ahead_prompt", "residual_transfer", "host_experts", "residual_group_copies"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:

@@ -15,7 +15,7 @@ from specter.kernels.moe_align import MoEWorkspace
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT
-from specter.offload.draft_ahead import AheadWindow, DraftAhead, draft_ahead_problem
+from specter.offload.draft_ahead import AheadWindow, DraftAhead, Launched, draft_ahead_problem
 from specter.offload.draft_graph import DraftGraphCache
 from specter.offload.residual_store import residual_dtype_problem
 from specter.offload.runtime import OffloadConfig, serving
@@ -84,15 +84,13 @@ class SpecterEngine:
         self.begin_request()
         metrics = DecodeMetrics(self.model.device)
         state = StateManager(self.model, input_ids, self._static_cache(input_ids.shape[1] + max_new_tokens))
-        first = int(next_token(state.prefill(), self.config, self.generator)[0])
         self.graphs.capture(None, state.cache, state.kv_length)
-        if self.ahead is not None:
-            self.ahead.begin_request(state.cache, input_ids.shape[1] + max_new_tokens + 2 * self.config.k + 4,
-                                     state.kv_length)
+        from_prompt = self._draft_from_prompt(state, max_new_tokens)
+        first = int(next_token(state.prefill(), self.config, self.generator)[0])
         state.commit([first], kv_keep=state.kv_length)
         metrics.commit(1)
         self.end_prefill()
-        ahead = None
+        ahead = None if self.ahead is None else self.ahead.collect_prompt(from_prompt, first)
         while len(state.generated) < max_new_tokens and not _ended(state.generated, eos_token_id):
             remaining = max_new_tokens - len(state.generated)
             k = state.window(min(self.config.k, remaining - 1))
@@ -237,6 +235,17 @@ class SpecterEngine:
         if tap is not None:
             self.elb.set_tap(layer, tap)
         return planner
+
+    def _draft_from_prompt(self, state: StateManager, max_new_tokens: int) -> Launched | None:
+        """Before the prefill: draft-ahead's side cache for the request, and with `draft_ahead_prompt` the first
+        window drafted from the prompt while the prefill runs (None: nothing launched)."""
+        if self.ahead is None:
+            return None
+        self.ahead.begin_request(state.cache, state.prompt_length + max_new_tokens + 2 * self.config.k + 4,
+                                 state.kv_length)
+        if not self.config.draft_ahead_prompt:
+            return None
+        return self.ahead.launch_from_prompt(state, state.window(min(self.config.k, max_new_tokens - 2)))
 
     def _draft_ahead(self) -> DraftAhead:
         """Draft-ahead (with its branch where configured); steps queued between verify layers only when

@@ -45,6 +45,45 @@ def test_draft_ahead_branch_is_lossless_and_used(tiny_name, slots, in_flight):
         assert stats["iterations"] - 1 <= len(stats["prefetch_trace"]) <= stats["iterations"]
 
 
+@pytest.mark.parametrize("slots", [None, 2])
+@pytest.mark.parametrize("tiny_name", ["tiny-dsv2", "tiny-qwen"])
+def test_the_first_window_drafted_from_the_prompt_is_lossless_and_taken(tiny_name, slots):
+    """draft_ahead_prompt: the first window is drafted from the prompt (the draft's own KV rows of it) before
+    the prefill; it is taken when the draft's guess is the target's first token, and tokens stay the target's."""
+    model = specter.load_model(tiny_name, device="cpu", dtype=torch.float32) if slots else tiny_model(tiny_name)
+    ids, expected = prompt("Natalia sold clips"), hf_greedy(tiny_name, prompt("Natalia sold clips"), NEW)
+    for from_prompt in (False, True):
+        config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True,
+                                       draft_ahead_prompt=from_prompt)
+        engine, drafted = specter.SpecterEngine(model, config), []
+        draft = engine.draft
+        engine.draft = lambda state, k: drafted.append(k) or draft(state, k)
+        stats = engine.generate(ids, NEW).stats
+        assert engine.generate(ids, NEW).token_ids == expected, (tiny_name, slots, from_prompt)
+        # the draft guesses these prompts' first token: the first window takes the prompt's drafts
+        assert stats["draft_ahead_prompt_windows"] == int(from_prompt)
+        taken = stats["draft_ahead_windows"] + stats["draft_ahead_prompt_windows"]
+        assert len(drafted) // 2 == stats["iterations"] - taken  # two requests: windows that drafted themselves
+
+
+def test_a_first_token_the_draft_did_not_guess_leaves_the_prompt_drafts_unused():
+    """When the target's first token is not the draft's guess, the first window drafts as usual and the
+    counts of the prompt's drafts are cleared."""
+    engine = specter.SpecterEngine(tiny_model("tiny-dsv2"), specter.SpecterConfig(k=3, draft_ahead=True,
+                                                                                  draft_ahead_prompt=True))
+    collect, seen = engine.ahead.collect_prompt, []
+
+    def wrong_first_token(launched, first):
+        seen.append(first)
+        return collect(launched, first + 1)
+
+    engine.ahead.collect_prompt = wrong_first_token
+    ids = prompt("Natalia sold clips")
+    out = engine.generate(ids, NEW)
+    assert seen and out.stats["draft_ahead_prompt_windows"] == 0
+    assert out.token_ids == hf_greedy("tiny-dsv2", ids, NEW)
+
+
 def test_a_window_the_branch_drafted_hands_its_draft_rows_to_the_next_draft_ahead():
     """The next window is drafted ahead over the rows the branch computed for the window it drafted."""
     engine = specter.SpecterEngine(tiny_model("tiny-dsv2"), specter.SpecterConfig(k=3, draft_ahead=True,

@@ -253,11 +253,30 @@ def test_draft_ahead_branch_on_its_stream_stays_lossless(name, compiled, in_flig
     assert 0 < second.stats["draft_branch_windows"] <= second.stats["draft_branch_launches"]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_draft_ahead_from_the_prompt_on_its_side_stream_stays_lossless(compiled):
+    """draft_ahead_prompt on CUDA: the first window drafted from the prompt on the side stream (a draft forward
+    over the prompt into the static side cache, then captured steps) while the prefill runs; taken, and the
+    output equals target-only's over two requests (the side cache emptied between them)."""
+    model = specter.load_model("tiny-dsv2", device="cuda", dtype=torch.float16)
+    ids = prompt("Natalia sold clips")
+    reference = TargetOnly(model).generate(ids, 40).token_ids
+    config = specter.SpecterConfig(k=3, resident_experts_per_layer=2, draft_ahead=True, draft_ahead_prompt=True,
+                                   draft_compile=compiled)
+    engine = specter.SpecterEngine(model, config)
+    first, second = engine.generate(ids, 40), engine.generate(ids, 40)
+    assert first.token_ids == second.token_ids == reference
+    assert second.stats["draft_ahead_prompt_windows"] == 1
+
+
 def test_side_steps_keep_at_most_in_flight_steps_unfinished():
     """SideSteps queues a step only while fewer than `in_flight` of its steps are unfinished (the host
     queries events and never waits), and `finish` queues the rest."""
     stream, queued = torch.cuda.Stream(), []
     a, out = torch.randn(4096, 4096, device="cuda"), torch.empty(4096, 4096, device="cuda")
+    with torch.cuda.stream(stream):  # the stream's first matmul sets up its BLAS workspace (a device sync)
+        torch.mm(a, a, out=out)
+    torch.cuda.synchronize()
 
     def chain():
         for i in range(8):

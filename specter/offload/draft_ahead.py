@@ -31,7 +31,7 @@ from specter.offload.draft_branch import BranchWindow, DraftBranch
 from specter.offload.draft_graph import DraftGraphCache, draft_chain
 from specter.offload.host_reads import HostRead, read_when_reached, recorded_event
 from specter.offload.side_steps import SideSteps
-from specter.speculative.state import copy_rows, rope_switch
+from specter.speculative.state import copy_rows, crop_cache, rope_switch
 
 
 @dataclass
@@ -87,12 +87,12 @@ class DraftAhead:
         self.stream = torch.cuda.Stream(model.device) if self.cuda else None
         self.branch = DraftBranch(model, compiled, self.stream, in_flight) if branch else None
         self.cache = None
-        self.launches = self.used = 0
+        self.launches = self.used = self.prompt_used = 0
         self.launch_host_ms = 0.0  # host time in launch (queueing dozens of captured steps may block it)
 
     def reset(self) -> None:
         """Any request starts: nothing drafted ahead yet (a batch never drafts ahead)."""
-        self.cache, self.launches, self.used, self.launch_host_ms = None, 0, 0, 0.0
+        self.cache, self.launches, self.used, self.prompt_used, self.launch_host_ms = None, 0, 0, 0, 0.0
         if self.branch is not None:
             self.branch.reset()
 
@@ -135,6 +135,35 @@ class DraftAhead:
         self.launch_host_ms += (time.perf_counter() - started) * 1e3
         return Launched(guess_read, whole, branch, window_k)
 
+    def launch_from_prompt(self, state, k: int) -> Launched | None:
+        """Before the prefill of `state` (a StateManager): draft the first window of `k` tokens from the prompt on
+        the side stream while the target's prefill runs. The target's KV rows of the prompt do not exist yet,
+        so this cache gets the draft's own (a draft forward over the prompt); the last position gives the
+        draft's guess of the first token, k steps follow it. `collect_prompt` takes them."""
+        if k < 1:
+            return None
+        started = time.perf_counter()
+        crop_cache(self.cache, 0)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())  # the emptied cache, the prompt's ids
+        with self._side():
+            logits = self.model.forward(state.uncached(), self.cache, DRAFT)[0, -1:]  # [1, V]
+            guess = logits.argmax(dim=-1)  # [1]
+            guess_read = read_when_reached(guess)
+        graph = self.graphs.graph(None, self.cache)
+        whole = SideSteps(draft_chain(self.model, graph, self.cache, self.elb, guess, k), self.stream, 0)
+        self.launch_host_ms += (time.perf_counter() - started) * 1e3
+        return Launched(guess_read, whole, None, lambda committed: k)
+
+    def collect_prompt(self, launched: Launched | None, first: int) -> AheadWindow | None:
+        """After the prefill: the first window's drafts made from the prompt if the draft guessed the target's
+        first token `first`, else None (and their counts cleared)."""
+        window = self.collect(launched, 0, 0, [first])
+        if window is not None:
+            self.used -= 1  # counted as a window drafted from the prompt
+            self.prompt_used += 1
+        return window
+
     def collect(self, launched: Launched | None, k: int, accepted: int, new_tokens: list[int]) -> AheadWindow | None:
         """After the verify pass: the drafts made ahead if the whole window was accepted with the guessed
         bonus token, or the branch's if it was rejected where and as the branch guessed; else None and the
@@ -173,7 +202,7 @@ class DraftAhead:
         if self.cache is None:
             return {"draft_ahead": "off: batched decoding (single requests only)"}
         stats = {"draft_ahead": "on", "draft_ahead_launches": self.launches, "draft_ahead_windows": self.used,
-                 "draft_ahead_launch_host_ms": self.launch_host_ms}
+                 "draft_ahead_prompt_windows": self.prompt_used, "draft_ahead_launch_host_ms": self.launch_host_ms}
         if self.branch is not None:
             stats.update(draft_branch_launches=self.branch.launches, draft_branch_windows=self.branch.used)
         return stats
