@@ -113,7 +113,7 @@ class SpecterConfig:
     draft_compile: bool = False
     draft_ahead: bool = False
     draft_ahead_branch: bool = False
-    draft_ahead_prompt: bool = False
+    draft_ahead_prompt: bool = True
     draft_ahead_in_flight: int = 0
     draft_decode_pairs: int = 48
     residual_transfer: bool = False

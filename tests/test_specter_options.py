@@ -17,7 +17,7 @@ from tests.conftest import tiny_model
 NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "prefetch_victims": "stale",
                "initial_chunk": 3,
                "early_read_fraction": 0.5, "prefetch_chunk": 2, "verify_wave": 2, "load_ahead_layers": 0,
-               "copy_streams": 2, "spare_rows": 8, "cuda_graph": False, "draft_compile": True, "draft_ahead": True, "draft_ahead_branch": True, "draft_ahead_prompt": True,
+               "copy_streams": 2, "spare_rows": 8, "cuda_graph": False, "draft_compile": True, "draft_ahead": True, "draft_ahead_branch": True, "draft_ahead_prompt": False,
                "draft_ahead_in_flight": 4,
                "draft_decode_pairs": 0, "residual_transfer": True, "residual_decode_programs": 32,
                "residual_decode_group": 4, "residual_group_copies": True, "host_experts": True, "host_expert_threads": 3,
