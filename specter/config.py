@@ -63,8 +63,8 @@ class SpecterConfig:
       the target's prefill runs (the draft's own KV rows of the prompt, its guess of the first token, k steps
       after it); the first window takes those drafts when the guess is the target's first token.
     draft_ahead_in_flight: draft-ahead's captured steps (and its branch's) unfinished on their side stream at
-      most, more queued after each verify layer; 0: every step queued when the verify pass starts (dozens of
-      captured steps queued at once may hold up the host's next launches; specter.offload.side_steps).
+      most, more queued after each verify layer; 0: every step queued when the verify pass starts (as fast on
+      the H200; specter.offload.side_steps).
       Offloaded engines only (the ticks are the residency manager's layers).
     draft_decode_pairs: routed (token, slot) pairs of a draft call up to which its INT4 experts run through
       the GEMV decode kernel (specter.kernels.int4_decode; a draft step routes k pairs per request), the

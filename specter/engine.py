@@ -245,7 +245,7 @@ class SpecterEngine:
                                  state.kv_length)
         if not self.config.draft_ahead_prompt:
             return None
-        return self.ahead.launch_from_prompt(state, state.window(min(self.config.k, max_new_tokens - 2)))
+        return self.ahead.launch_from_prompt(state, min(self.config.k, max_new_tokens - 2))  # the first window's k
 
     def _draft_ahead(self) -> DraftAhead:
         """Draft-ahead (with its branch where configured); steps queued between verify layers only when

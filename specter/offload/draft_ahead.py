@@ -15,6 +15,9 @@ it on the same stream, and the next window takes those drafts when the target re
 
 The draft steps queue as `SideSteps`: all at once, or with `in_flight` a few at a time between verify
 layers (`Launched.advance`); the host never waits for a draft step, the device only for those it uses.
+
+The first window has no verify pass before it: `launch_from_prompt` drafts it while the prefill runs, over
+the draft's own KV rows of the prompt, from the draft's guess of the first token (`collect_prompt`).
 """
 from __future__ import annotations
 
@@ -88,7 +91,7 @@ class DraftAhead:
         self.branch = DraftBranch(model, compiled, self.stream, in_flight) if branch else None
         self.cache = None
         self.launches = self.used = self.prompt_used = 0
-        self.launch_host_ms = 0.0  # host time in launch (queueing dozens of captured steps may block it)
+        self.launch_host_ms = 0.0  # host time in launch and launch_from_prompt
 
     def reset(self) -> None:
         """Any request starts: nothing drafted ahead yet (a batch never drafts ahead)."""
@@ -158,11 +161,11 @@ class DraftAhead:
     def collect_prompt(self, launched: Launched | None, first: int) -> AheadWindow | None:
         """After the prefill: the first window's drafts made from the prompt if the draft guessed the target's
         first token `first`, else None (and their counts cleared)."""
-        window = self.collect(launched, 0, 0, [first])
-        if window is not None:
-            self.used -= 1  # counted as a window drafted from the prompt
+        if launched is not None and first == int(launched.guess.result()[0]):
             self.prompt_used += 1
-        return window
+            return self._take_whole(launched)
+        self.discard()
+        return None
 
     def collect(self, launched: Launched | None, k: int, accepted: int, new_tokens: list[int]) -> AheadWindow | None:
         """After the verify pass: the drafts made ahead if the whole window was accepted with the guessed
@@ -173,14 +176,8 @@ class DraftAhead:
             self._wait_side()
             return None
         if accepted == k and new_tokens[-1] == int(launched.guess.result()[0]):
-            outputs = launched.whole.finish()
-            if self.cuda:  # read on this stream once the window's steps are done (the branch may still draft)
-                with self._side():
-                    done = recorded_event(True)
-                torch.cuda.current_stream().wait_event(done)
             self.used += 1
-            choices = self._on_current_stream(outputs)  # [next_k, 3]
-            return AheadWindow(choices.shape[0], launched.guess, choices)
+            return self._take_whole(launched)
         next_k = launched.window_k(len(new_tokens))
         branch = launched.branch
         outputs = None if branch is None else self.branch.collect(branch, accepted, new_tokens[-1], next_k)
@@ -222,6 +219,17 @@ class DraftAhead:
         copy_rows(self.cache, state.cache, rows, kv_length + k if window is not None else rows)
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())  # the copy, the window's drafts and KV
+
+    def _take_whole(self, launched: Launched) -> AheadWindow:
+        """The drafts of `launched`'s whole-window guess (its steps not yet queued queued now), read on the
+        current stream once those steps are done (the branch's, queued after them, may still run)."""
+        outputs = launched.whole.finish()
+        if self.cuda:
+            with self._side():
+                done = recorded_event(True)
+            torch.cuda.current_stream().wait_event(done)
+        choices = self._on_current_stream(outputs)  # [next_k, 3]
+        return AheadWindow(choices.shape[0], launched.guess, choices)
 
     def _on_current_stream(self, outputs: list[torch.Tensor]) -> torch.Tensor:
         """The side stream's step outputs ([1, 3] each) as one tensor [n, 3] made on the current stream, which
