@@ -100,6 +100,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "host_expert_cost": runs[0].get("host_expert_cost"),
         "wait_ms_per_token": mean("wait_ms") / mean("generated_tokens"),
         "moe_host_ms_per_token": (mean("verify_host_ms") - mean("verify_host_wait_ms")) / mean("generated_tokens"),
+        "moe_host_load_ms_per_token": mean("verify_host_load_ms") / mean("generated_tokens"),
+        "moe_host_wave_ms_per_token": mean("verify_host_wave_ms") / mean("generated_tokens"),
         "draft_ms_per_token": mean("draft_ms") / mean("generated_tokens"),
         "draft_step_ms": mean("draft_ms") / mean("draft_tokens") if runs[0].get("draft_tokens") else float("nan"),
         "draft_graph": runs[0].get("draft_graph"),
@@ -220,6 +222,8 @@ def row_line(row: dict) -> str:
         if row.get("copy_gap_slot_ms_per_token") == row.get("copy_gap_slot_ms_per_token"):  # not NaN (GPU)
             line += (f"; waiting for a slot's reader {row['copy_gap_slot_ms_per_token']:.2f}, "
                      f"for the host {row['copy_gap_host_ms_per_token']:.2f}")
+        line += (f"; host ms/token in MoE layers {row['moe_host_ms_per_token']:.2f} (loads "
+                 f"{row['moe_host_load_ms_per_token']:.2f}, waves {row['moe_host_wave_ms_per_token']:.2f})")
     return line
 
 

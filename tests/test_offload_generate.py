@@ -28,6 +28,9 @@ def test_greedy_with_offload_equals_hf_generate(tiny_name, slots):
         assert out.token_ids == hf_greedy(tiny_name, prompt(text), NEW), (tiny_name, slots, text)
         assert out.stats["misses"] > 0 and out.stats["h2d_bytes"] > 0
         assert out.stats["verify_host_ms"] > out.stats["verify_host_wait_ms"] >= 0
+        host_parts = out.stats["verify_host_load_ms"] + out.stats["verify_host_wave_ms"] + out.stats["verify_host_wait_ms"]
+        assert out.stats["verify_host_load_ms"] > 0 and out.stats["verify_host_wave_ms"] > 0
+        assert host_parts <= out.stats["verify_host_ms"]
 
 
 @pytest.mark.parametrize("variant", [dict(prefetch=False), dict(expert_wise=False), dict(eviction="lookahead"),

@@ -96,6 +96,7 @@ class ResidencyManager:
         self.working_sets: list[int] = []  # distinct experts per (verify pass, layer)
         self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
         self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
+        self.host_load_ms = self.host_wave_ms = 0.0  # of it: issuing loads, and launching waves
         self.host_expert_runs = self.host_expert_pairs = 0  # (layer, expert)s and (token, slot) rows run on the CPU
         self.host_expert_bytes = 0  # what their rows move over PCIe: hidden rows to the host, outputs back
 
@@ -199,6 +200,11 @@ class ResidencyManager:
         copy stream goes on from this layer's loads instead of idling until the next layer's first wave."""
         if layer >= len(self.cache.layers) or self.plan is None:
             return
+        start = time.perf_counter()
+        self._load_planned_ahead(layer)
+        self.host_load_ms += (time.perf_counter() - start) * 1e3
+
+    def _load_planned_ahead(self, layer: int) -> None:
         plan = self.plan.load_order(layer)
         keep = frozenset(plan)
         for expert in plan:
@@ -228,18 +234,20 @@ class ResidencyManager:
 
     def _load_wave(self, layer: int, pending: deque) -> list[tuple[int, int]]:
         """Start copies of missing experts into every slot that is free of protection; (expert, slot) pairs."""
-        wave = []
+        start, wave = time.perf_counter(), []
         while pending:
             slot = self.cache.load_if_free(layer, pending[0])
             if slot is None:
                 break
             wave.append((pending.popleft(), slot))
+        self.host_load_ms += (time.perf_counter() - start) * 1e3
         return wave
 
     def _run_wave(self, step: LayerPass, wave: list[tuple[int, int]]) -> None:
         """All experts of a wave in one kernel call over the cache's pool, then release their slots."""
         if not wave:
             return
+        start = time.perf_counter()
         module, layer, cache, hidden = step.module, step.module.moe_layer, self.cache, step.hidden
         cache.streams.wait_all([cache.ready_event(layer, slot) for _, slot in wave])
         row_of_expert = wave_row_map([(expert, cache.row(layer, slot)) for expert, slot in wave],
@@ -248,6 +256,7 @@ class ResidencyManager:
         run(hidden, step.top_k_index, cache.pool, row_of_expert, module.intermediate_dim, step.rows,
             module.act_fn, workspace=self.workspace, alignment=step.alignment)
         cache.release_all(layer, [slot for _, slot in wave])
+        self.host_wave_ms += (time.perf_counter() - start) * 1e3
 
     def _token_wise(self, module, hidden: torch.Tensor, routing: list[list[int]], rows) -> None:
         """Ablation: conventional chronological verification, one GEMV per (token, slot), loading on demand."""
@@ -271,6 +280,8 @@ class ResidencyManager:
             "working_set_mean": mean(sets) if sets else float("nan"),
             "verify_host_ms": self.host_ms,  # host time in the MoE layers of target passes
             "verify_host_wait_ms": self.host_wait_ms,  # of it: waiting for routers' top-k
+            "verify_host_load_ms": self.host_load_ms,  # issuing expert loads (a grouped decode's launch included)
+            "verify_host_wave_ms": self.host_wave_ms,  # launching verify waves
             "host_expert_runs": self.host_expert_runs,
             "host_expert_pairs": self.host_expert_pairs,
             "host_expert_bytes": self.host_expert_bytes,
