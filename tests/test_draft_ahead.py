@@ -167,3 +167,12 @@ def test_a_batch_does_not_draft_ahead_and_says_so():
     assert all(r.stats["draft_ahead"].startswith("off: batched") for r in results)
     single = engine.generate(prompt(), 8)  # a single request after the batch drafts ahead again
     assert single.stats["draft_ahead"] == "on" and single.stats["draft_ahead_launches"] > 0
+
+
+@pytest.mark.parametrize("new,from_prompt", [(1, 0), (2, 0), (3, 1)])
+def test_short_requests_draft_from_the_prompt_only_when_a_window_follows(new, from_prompt):
+    """One or two new tokens leave no window to draft from the prompt; three leave a window of one token."""
+    engine = specter.SpecterEngine(tiny_model("tiny-dsv2"), specter.SpecterConfig(k=4, draft_ahead=True))
+    out = engine.generate(prompt("Natalia sold clips"), new)
+    assert out.token_ids == hf_greedy("tiny-dsv2", prompt("Natalia sold clips"), new)
+    assert out.stats["draft_ahead_prompt_windows"] == from_prompt
