@@ -57,14 +57,14 @@ class SpecterConfig:
       accepted the whole window with that bonus token (greedy, single requests; specter.offload.draft_ahead).
     draft_ahead_branch: with draft_ahead, also draft during each verify pass the window that follows the
       window's likeliest rejection (the draft position with the smallest margin between its top two tokens,
-      corrected to the runner-up), on a stream of its own; the next window takes those drafts when the
-      target rejects there with that token (specter.offload.draft_branch).
+      corrected to the runner-up), on draft-ahead's side stream after its steps; the next window takes those
+      drafts when the target rejects there with that token (specter.offload.draft_branch).
     draft_ahead_prompt: with draft_ahead, the first window is drafted from the prompt on the side stream while
       the target's prefill runs (the draft's own KV rows of the prompt, its guess of the first token, k steps
       after it); the first window takes those drafts when the guess is the target's first token.
     draft_ahead_in_flight: draft-ahead's captured steps (and its branch's) unfinished on their side stream at
-      most, more queued after each verify layer; 0: every step queued when the verify pass starts (as fast on
-      the H200; specter.offload.side_steps).
+      most, more queued after each verify layer; 0: every step queued when the verify pass starts
+      (specter.offload.side_steps; docs/design.md has what each costs).
       Offloaded engines only (the ticks are the residency manager's layers).
     draft_decode_pairs: routed (token, slot) pairs of a draft call up to which its INT4 experts run through
       the GEMV decode kernel (specter.kernels.int4_decode; a draft step routes k pairs per request), the

@@ -16,9 +16,8 @@ class SideSteps:
 
     With `in_flight` > 0 on CUDA, `advance` queues steps while fewer than `in_flight` of those it queued are
     unfinished (the host queries their events, it never waits): a captured draft step is a graph of about a
-    thousand kernels queued on the device by one host call; on the H200 queueing all of a window's at once costs
-    the host 0.04-0.08 ms per committed token, and a few at a time is no faster. Otherwise (in_flight 0, or
-    no stream) every step is queued at once. `finish`
+    thousand kernels queued on the device by one host call (what queueing them costs the host: docs/design.md,
+    "Its steps in flight"). Otherwise (in_flight 0, or no stream) every step is queued at once. `finish`
     queues the steps not yet queued and returns every output; steps never queued cost nothing.
     """
 
