@@ -23,7 +23,8 @@ def test_layer_shapes_come_from_the_registry():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_one_row_per_wave_size_with_positive_times():
+def test_one_row_per_wave_size_and_way_with_positive_times():
     rows = bench_wave_host.bench("dsv2", tokens=9, repeats=3)
-    assert [r["wave"] for r in rows] == list(bench_wave_host.WAVES)
+    ways = ("per_call", "prepared")
+    assert [(r["wave"], r["way"]) for r in rows] == [(w, way) for w in bench_wave_host.WAVES for way in ways]
     assert all(r["host_us_per_wave"] > 0 and r["gpu_ms_per_wave"] > 0 for r in rows)

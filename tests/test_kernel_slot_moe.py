@@ -135,6 +135,32 @@ def test_waves_sharing_one_alignment_equal_separate_calls(case):
 
 
 @interpreted
+@pytest.mark.parametrize("case", [(9, 8, 3, 128, 128), (40, 4, 2, 128, 256)])
+def test_prepared_waves_equal_separate_calls(case):
+    """slot_moe_waves: one layer's launches prepared once, then a call per slot map over one pool."""
+    tokens, experts, k, hidden, inter = case
+    gen = torch.Generator().manual_seed(tokens * experts)
+    store = make_store(experts, hidden, inter, gen)  # the pool: expert e in row e
+    x, idx = torch.randn(tokens, hidden, generator=gen), make_routing(tokens, experts, k, gen)
+    separate, prepared, ws = sentinel_rows(idx, hidden), sentinel_rows(idx, hidden), MoEWorkspace()
+    waves = K.slot_moe_waves(x, idx, store, inter, prepared, K.align_routing(idx, experts, workspace=ws),
+                             workspace=ws)
+    perm = torch.randperm(experts, generator=gen).tolist()
+    for subset in (perm[:experts // 2], perm[experts // 2: -1]):  # the last expert is never computed
+        row_of = torch.full((experts,), -1, dtype=torch.long)
+        row_of[subset] = torch.tensor(subset)
+        K.slot_moe_rows(x, idx, store, row_of, inter, separate)
+        waves(row_of)
+    torch.testing.assert_close(prepared, separate, rtol=0, atol=0)
+    assert torch.any(prepared == SENTINEL) and not torch.all(prepared == SENTINEL)
+    with pytest.raises(ValueError, match="slot_of_expert"):
+        waves(row_of[None])
+    with pytest.raises(ValueError, match="block_m"):
+        K.slot_moe_waves(x, idx, store, inter, prepared, K.align_routing(idx, experts),
+                         config=KernelConfig(block_m=32))
+
+
+@interpreted
 def test_residency_waves_with_the_slot_kernel_equal_the_reference():
     """The residency manager's Triton path (one alignment per layer, a slot map per wave) on random plans."""
     import random
@@ -286,6 +312,26 @@ class TestCuda:
             kernels.slot_moe_rows(x, idx, buf, slot_of, inter, out, workspace=ws)
             kernels.slot_moe_rows(x, idx, buf, slot_of, inter, jit)  # no workspace: through the JIT
             assert torch.equal(out, jit), tokens
+
+    def test_prepared_waves_give_the_jits_rows_without_synchronizing(self, kernels, layer):
+        """slot_moe_waves' later calls go straight to the compiled launchers: each slot map's rows equal a
+        fresh JIT launch's, bit for bit, and no call synchronizes."""
+        buf, slot_of, hidden, inter, experts, k = layer
+        x, idx, out = self.case(layer, 17)
+        ws, jit = MoEWorkspace(), out.clone()
+        waves = kernels.slot_moe_waves(x, idx, buf, inter, out, kernels.align_routing(idx, experts, ws), workspace=ws)
+        maps = [torch.where(slot_of % 3 == part, slot_of, -1) for part in range(3)]  # disjoint slot maps
+        waves(maps[0])  # compiles outside the check
+        kernels.slot_moe_rows(x, idx, buf, maps[0], inter, jit)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for slot_map in maps[1:]:
+                waves(slot_map)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for slot_map in maps[1:]:
+            kernels.slot_moe_rows(x, idx, buf, slot_map, inter, jit)  # no workspace: through the JIT
+        assert torch.equal(out, jit)
 
     def test_call_does_not_synchronize(self, kernels, layer):
         buf, slot_of, hidden, inter, experts, k = layer

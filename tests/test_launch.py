@@ -74,3 +74,25 @@ def test_a_launcher_that_refuses_its_arguments_leaves_the_jit_with_a_warning():
         launch((1,), x, 1, 2, BLOCK=8)
     launch((1,), x, 1, 2, BLOCK=8)
     assert len(kernel.jit_calls) == 3 and launch.jit_only
+
+
+def test_a_bound_launch_varies_one_argument_and_goes_to_the_launcher_while_its_signature_holds():
+    kernel, pointers = Jit(), []
+    kernel.launcher = lambda grid3: (lambda *args: pointers.append((args[0].data_ptr(), *args[1:])))
+    launch = CompiledLaunch(kernel)
+    x, y = torch.zeros(8), torch.ones(8)
+    launch.bound((4,), (x, 3, 100), {"BLOCK": 16}, varying=0)(x)  # not launched before: through __call__
+    run = launch.bound((4,), (x, 3, 100), {"BLOCK": 16}, varying=0)
+    run(y)  # the same signature: the launcher, with y in x's place
+    run(y.half())  # another dtype: the JIT again
+    assert kernel.jit_calls == [(3, 100), (3, 100)]
+    assert pointers == [(y.data_ptr(), 3, 100, 16, 7)]
+
+
+def test_a_bound_launch_of_an_interpreted_kernel_goes_through_the_jit():
+    kernel = Jit(interpreted=True)
+    launch = CompiledLaunch(kernel)
+    x = torch.zeros(4)
+    launch((1,), x, 1, 2, BLOCK=8)
+    launch.bound((1,), (x, 1, 2), {"BLOCK": 8}, varying=0)(x)
+    assert len(kernel.jit_calls) == 2 and not kernel.launches

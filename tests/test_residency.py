@@ -13,7 +13,7 @@ from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
 from specter.prefetch.lookahead import Ranking
 from specter.prefetch.planner import WindowPlan
-from specter.verify.residency import ResidencyManager, VerifyOptions, wave_row_map, wave_size
+from specter.verify.residency import ResidencyManager, VerifyOptions, wave_size
 
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 3, 8, 16, 8, 2
 
@@ -122,8 +122,10 @@ def test_wave_size_and_layers_ahead_are_options(wave, ahead):
 
 
 def test_a_wave_row_map_holds_each_wave_expert_row_and_minus_one_elsewhere():
-    row_map = wave_row_map([(3, 0), (1, 5)], 6, torch.device("cpu"))
+    streams = DeviceStreams(torch.device("cpu"))
+    row_map = streams.upload_map(6, [(3, 0), (1, 5)])
     assert row_map.dtype == torch.long and row_map.tolist() == [-1, 5, -1, 0, -1, -1]
+    assert streams.upload_map(6, [(2, 4)]).tolist() == [-1, -1, 4, -1, -1, -1]  # nothing of the last map stays
 
 
 @pytest.mark.parametrize("option, slots, size", [(0, 4, 2), (0, 1, 1), (0, 16, 8), (3, 16, 3), (-1, 4, 4), (-1, 16, 16)])
@@ -132,8 +134,9 @@ def test_wave_size_is_the_option_half_the_slots_or_every_slot(option, slots, siz
 
 
 def test_deferred_loads_start_before_the_router_wait_and_after_the_loads_ahead():
-    """With residual_group_copies nothing a layer loaded may wait for its group while the host waits for the
-    router or runs the next layer's attention: the manager starts the loads at both points."""
+    """With residual_group_copies nothing a layer loaded may wait for its group while the host launches waves,
+    waits for the router or runs the next layer's attention: the manager starts the loads after each batch of
+    loads into released slots, before the router wait and after the loads ahead."""
     manager, _ = make_runtime(slots=4, seed=0, ahead_layers=1)
     cache, events = manager.cache, []
     run_wave, load_ahead, start = manager._run_wave, cache.load_ahead, cache.start_loads
@@ -143,4 +146,4 @@ def test_deferred_loads_start_before_the_router_wait_and_after_the_loads_ahead()
     routing = torch.tensor([[4, 5], [6, 7]])
     with manager.verifying(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)})):
         manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
-    assert events == ["wave", "wave", "start", "ahead", "ahead", "ahead", "ahead", "start"]
+    assert events == ["start", "wave", "wave", "start", "ahead", "ahead", "ahead", "ahead", "start"]

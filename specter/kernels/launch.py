@@ -12,6 +12,7 @@ a launcher refused its arguments (a Triton whose launcher takes another argument
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -39,8 +40,7 @@ class CompiledLaunch:
         if self.jit_only:
             self.kernel[grid](*args, **constexprs)
             return
-        key = (tuple(None if i in self.skip else _signature(a) for i, a in enumerate(args)),
-               tuple(constexprs.items()))
+        key = self._key(args, constexprs)
         runner = self.runners.get((key, grid))
         if runner is None:
             if key not in self.compiled:  # the JIT compiles (or finds) and launches
@@ -49,6 +49,25 @@ class CompiledLaunch:
                 return
             runner = self._bind(key, grid, len(args), constexprs)  # a known kernel at another grid
         self._launch_compiled(runner, grid, args, constexprs)
+
+    def _key(self, args: tuple, constexprs: dict) -> tuple:
+        return (tuple(None if i in self.skip else _signature(a) for i, a in enumerate(args)),
+                tuple(constexprs.items()))
+
+    def bound(self, grid: tuple, args: tuple, constexprs: dict, varying: int) -> Callable:
+        """`run(value)` is `self(grid, *args, **constexprs)` with `args[varying]` = value, straight to the compiled
+        kernel's launcher (no signature derived but `value`'s) while `value` has `args[varying]`'s signature and
+        `args` has been launched before; through `__call__` otherwise. The other arguments are fixed."""
+        runner = self.runners.get((self._key(args, constexprs), grid))
+        head, tail, expected = args[:varying], args[varying + 1:], _signature(args[varying])
+
+        def run(value) -> None:
+            full = (*head, value, *tail)
+            if runner is None or self.jit_only or _signature(value) != expected:
+                self(grid, *full, **constexprs)
+            else:
+                self._launch_compiled(runner, grid, full, constexprs)
+        return run
 
     def _launch_compiled(self, runner: tuple, grid: tuple, args: tuple, constexprs: dict) -> None:
         launcher, trailing = runner

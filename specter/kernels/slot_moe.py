@@ -105,13 +105,14 @@ if TRITON_AVAILABLE:
         tl.store(out_ptrs, acc, mask=valid[:, None] & n_mask[None, :])
 
 
-def _check(hidden, top_k_index, slot_buffer, slot_of_expert, intermediate, rows, act, cfg) -> None:
+def _check(hidden, top_k_index, slot_buffer, intermediate, rows, act, cfg) -> None:
+    """The checks of a layer's launches (everything but the slot map, `_check_slot_map`)."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("specter.kernels.slot_moe needs triton (pip install triton); use slot_moe_rows_reference")
     if not is_silu(act):
         raise ValueError(f"slot_moe_rows implements SiLU-gated experts only, got act={act!r}")
-    if hidden.dim() != 2 or top_k_index.dim() != 2 or slot_of_expert.dim() != 1 or slot_buffer.dim() != 2:
-        raise ValueError("expected hidden [T, H], top_k_index [T, k], slot_of_expert [E], slot_buffer [S, 3*I*H]")
+    if hidden.dim() != 2 or top_k_index.dim() != 2 or slot_buffer.dim() != 2:
+        raise ValueError("expected hidden [T, H], top_k_index [T, k], slot_buffer [S, 3*I*H]")
     h = hidden.shape[1]
     if slot_buffer.shape[1] != 3 * intermediate * h or slot_buffer.stride(1) != 1:
         raise ValueError(f"slot_buffer {tuple(slot_buffer.shape)} is not [S, 3*I*H] (I={intermediate}, H={h}), "
@@ -121,8 +122,14 @@ def _check(hidden, top_k_index, slot_buffer, slot_of_expert, intermediate, rows,
                          f"{rows.dtype} {tuple(rows.shape)}")
     if h % cfg.block_k or intermediate % cfg.block_k or min(cfg.block_m, cfg.block_n, cfg.block_k) < 16:
         raise ValueError(f"block_k={cfg.block_k} must divide H={h} and I={intermediate}; tiles must be >= 16")
-    if not (slot_of_expert.device == slot_buffer.device == hidden.device == rows.device == top_k_index.device):
-        raise ValueError("hidden, top_k_index, slot_buffer, slot_of_expert and rows must be on one device")
+    if not (slot_buffer.device == hidden.device == rows.device == top_k_index.device):
+        raise ValueError("hidden, top_k_index, slot_buffer and rows must be on one device")
+
+
+def _check_slot_map(slot_of_expert: torch.Tensor, device: torch.device) -> None:
+    if slot_of_expert.dim() != 1 or slot_of_expert.device != device:
+        raise ValueError(f"slot_of_expert must be [E] on {device}, got {tuple(slot_of_expert.shape)} on "
+                         f"{slot_of_expert.device}")
 
 
 def _align(top_k_index: torch.Tensor, slot_of_expert: torch.Tensor, block_m: int, workspace):
@@ -144,6 +151,63 @@ def align_routing(top_k_index: torch.Tensor, num_experts: int, workspace: MoEWor
     return moe_align_block_size(top_k_index, num_experts, (config or DEFAULT_CONFIG).block_m, workspace)
 
 
+class SlotMoEWaves:
+    """`slot_moe_rows` over one routing for one slot map after another (a verify layer's waves): the checks,
+    buffers and both launches' arguments are prepared once, so a call only launches the two GEMMs (after its
+    first, straight through the compiled kernels' launchers: `CompiledLaunch.bound`). Build it with
+    `slot_moe_waves`; `alignment` covers every routed pair (`align_routing`), or is `_align`'s for one map,
+    with `num_padded` its rows before the sentinel."""
+
+    def __init__(self, hidden, top_k_index, slot_buffer, intermediate, rows, workspace, cfg, alignment,
+                 num_padded) -> None:
+        self.device, self.empty = hidden.device, top_k_index.numel() == 0
+        hidden = hidden.contiguous()  # [T, H]
+        inter_buf = scratch(workspace, "slot_intermediate", (alignment.sorted_pair_ids.numel(), intermediate),
+                            hidden.dtype, hidden.device)  # [max_padded, I]
+        num_pairs, h = rows.shape
+        grid_m = alignment.expert_ids.numel()
+        self.constexprs = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                           "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        ids = (alignment.sorted_pair_ids, alignment.expert_ids, num_padded)
+        self.gate_up = (compiled_launch(workspace, _slot_gate_up_kernel),
+                        (grid_m, triton.cdiv(intermediate, cfg.block_n)),
+                        (hidden, slot_buffer, None, inter_buf, *ids, num_pairs, top_k_index.shape[1], h,
+                         intermediate, hidden.stride(0), slot_buffer.stride(0), inter_buf.stride(0)))
+        self.down = (compiled_launch(workspace, _slot_down_kernel), (grid_m, triton.cdiv(h, cfg.block_n)),
+                     (inter_buf, slot_buffer, None, rows, *ids, num_pairs, intermediate, h, 2 * intermediate * h,
+                      inter_buf.stride(0), slot_buffer.stride(0), rows.stride(0)))
+        self.bound = None  # (gate_up, down) launches bound to this layer's arguments, after the first call
+
+    def __call__(self, slot_of_expert: torch.Tensor) -> None:
+        """The rows of every pair whose expert has a slot >= 0 in `slot_of_expert` [E] (other rows untouched)."""
+        _check_slot_map(slot_of_expert, self.device)
+        if self.empty:
+            return
+        if self.bound is not None:
+            for run in self.bound:
+                run(slot_of_expert)
+            return
+        bound = []
+        for launch, grid, args in (self.gate_up, self.down):
+            args = (*args[:2], slot_of_expert, *args[3:])  # the slot map is the third argument of both kernels
+            launch(grid, *args, **self.constexprs)
+            bound.append(launch.bound(grid, args, self.constexprs, varying=2))
+        self.bound = tuple(bound)
+
+
+def slot_moe_waves(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: torch.Tensor, intermediate: int,
+                   rows: torch.Tensor, alignment: Alignment, act: Callable | None = None,
+                   workspace: MoEWorkspace | None = None, config: KernelConfig | None = None) -> SlotMoEWaves:
+    """`slot_moe_rows` prepared for several slot maps over one routing: `waves(slot_of_expert)` per map, with
+    `alignment` from `align_routing` (same config and routing)."""
+    cfg = config or DEFAULT_CONFIG
+    _check(hidden, top_k_index, slot_buffer, intermediate, rows, act, cfg)
+    if alignment.block_m != cfg.block_m:
+        raise ValueError(f"alignment has block_m={alignment.block_m}, the kernel config {cfg.block_m}")
+    return SlotMoEWaves(hidden, top_k_index, slot_buffer, intermediate, rows, workspace, cfg, alignment,
+                        alignment.num_padded)
+
+
 def slot_moe_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: torch.Tensor,
                   slot_of_expert: torch.Tensor, intermediate: int, rows: torch.Tensor, act: Callable | None = None,
                   workspace: MoEWorkspace | None = None, config: KernelConfig | None = None,
@@ -155,32 +219,18 @@ def slot_moe_rows(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: 
     synchronisation (grid sizes are upper bounds; blocks past the used rows exit at once).
     """
     cfg = config or DEFAULT_CONFIG
-    _check(hidden, top_k_index, slot_buffer, slot_of_expert, intermediate, rows, act, cfg)
+    _check(hidden, top_k_index, slot_buffer, intermediate, rows, act, cfg)
+    _check_slot_map(slot_of_expert, hidden.device)
     if top_k_index.numel() == 0:
         return
-    hidden = hidden.contiguous()  # [T, H]
     if alignment is None:
-        align, num_padded = _align(top_k_index, slot_of_expert, cfg.block_m, workspace)
+        alignment, num_padded = _align(top_k_index, slot_of_expert, cfg.block_m, workspace)
     elif alignment.block_m != cfg.block_m:
         raise ValueError(f"alignment has block_m={alignment.block_m}, the kernel config {cfg.block_m}")
     else:
-        align, num_padded = alignment, alignment.num_padded
-    inter_buf = scratch(workspace, "slot_intermediate", (align.sorted_pair_ids.numel(), intermediate),
-                         hidden.dtype, hidden.device)  # [max_padded, I]
-    num_pairs, h = rows.shape
-    grid_m = align.expert_ids.numel()
-    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    compiled_launch(workspace, _slot_gate_up_kernel)(
-        (grid_m, triton.cdiv(intermediate, cfg.block_n)),
-        hidden, slot_buffer, slot_of_expert, inter_buf, align.sorted_pair_ids, align.expert_ids, num_padded,
-        num_pairs, top_k_index.shape[1], h, intermediate, hidden.stride(0), slot_buffer.stride(0),
-        inter_buf.stride(0), **common)
-    compiled_launch(workspace, _slot_down_kernel)(
-        (grid_m, triton.cdiv(h, cfg.block_n)),
-        inter_buf, slot_buffer, slot_of_expert, rows, align.sorted_pair_ids, align.expert_ids, num_padded,
-        num_pairs, intermediate, h, 2 * intermediate * h, inter_buf.stride(0), slot_buffer.stride(0),
-        rows.stride(0), **common)
+        num_padded = alignment.num_padded
+    SlotMoEWaves(hidden, top_k_index, slot_buffer, intermediate, rows, workspace, cfg, alignment,
+                 num_padded)(slot_of_expert)
 
 
 def slot_moe_rows_reference(hidden: torch.Tensor, top_k_index: torch.Tensor, slot_buffer: torch.Tensor,

@@ -128,6 +128,7 @@ class ExpertCache:
         self.policy, self.spare_rows = policy, spare_rows
         rows = store.num_layers * slots_per_layer + spare_rows
         self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
+        self.pool_rows = self.pool.unbind(0)  # each row's view, made once (a load indexes no tensor)
         self.layers = [LayerSlots(slots_per_layer, first_row=layer * slots_per_layer)
                        for layer in range(store.num_layers)]
         self.reset()
@@ -162,6 +163,7 @@ class ExpertCache:
         writes into it (pending grouped decodes run first); the cache is unusable after."""
         self.streams.synchronize()
         self.pool = torch.empty(0, self.store.numel, dtype=self.store.dtype, device=self.pool.device)
+        self.pool_rows = ()
 
     def row(self, layer: int, slot: int) -> int:
         """The pool row that holds `slot`'s expert (it changes when the slot is loaded with spare rows)."""
@@ -296,7 +298,7 @@ class ExpertCache:
 
     def weights(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) views of a slot."""
-        return self.store.split(self.pool[self.row(layer, slot)])
+        return self.store.split(self.pool_rows[self.row(layer, slot)])
 
     def _load(self, layer: int, expert: int, reason: str, slot: int | None = None, cause: str = "verify") -> int:
         slots = self.layers[layer]
@@ -316,11 +318,11 @@ class ExpertCache:
         target = self._swap_in_spare(slots, slot)
         waits = dict(after=target.last_use, demand=reason == DEMAND, previous=target.ready)
         if self.residuals is None:
-            slots.ready[slot] = self.streams.copy(self.pool[target.row], self.store.expert(layer, expert), **waits)
+            slots.ready[slot] = self.streams.copy(self.pool_rows[target.row], self.store.expert(layer, expert), **waits)
         else:
             group = None if self.decode_groups is None else self.decode_groups[layer]
             decode = None if group else partial(self.residuals.decode, layer, expert, self.decode_launcher)
-            slots.ready[slot] = self.streams.copy_decoded(self.pool[target.row], self.residuals.blob(layer, expert),
+            slots.ready[slot] = self.streams.copy_decoded(self.pool_rows[target.row], self.residuals.blob(layer, expert),
                                                           decode, self.residuals.max_blob_words, **waits,
                                                           group=group, member=expert)
         return slot

@@ -21,6 +21,7 @@ class HostExpertStore:
         self.numel = 3 * intermediate * hidden
         self.compute_device = torch.device(compute_device)
         self.buffers: list[torch.Tensor | None] = [None] * num_layers  # allocated as each layer arrives
+        self.rows: list[tuple] = [()] * num_layers  # each layer's expert rows as views, made once
 
     @classmethod
     def for_experts(cls, experts: list, dtype: torch.dtype, compute_device: torch.device) -> HostExpertStore:
@@ -40,13 +41,14 @@ class HostExpertStore:
         """Copy a layer's experts in: gate_up [E, 2I, H], down [E, H, I] (any device)."""
         if self.buffers[layer] is None:
             self.buffers[layer] = pin(torch.empty(self.num_experts, self.numel, dtype=self.dtype), self.compute_device)
+            self.rows[layer] = self.buffers[layer].unbind(0)
         gate_up_rows, down_rows = row_views(self.buffers[layer], self.intermediate)  # [E, 2I, H], [E, H, I]
         gate_up_rows.copy_(gate_up)
         down_rows.copy_(down)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Expert's flat buffer [3*I*H] (a view into the store)."""
-        return self.buffers[layer][expert]
+        return self.rows[layer][expert]
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (gate_up [2I, H], down [H, I]) of one flat expert buffer (host row or cache slot)."""

@@ -6,6 +6,8 @@ Built once from the host store's 16-bit experts and the draft weights already on
 """
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from specter.errors import SpecterError
@@ -36,6 +38,7 @@ class ResidualExpertStore:
                  buffers: list[torch.Tensor], offsets: list[list[int]]) -> None:
         self.layout, self.dtype, self.drafts = layout, dtype, drafts
         self.buffers, self.offsets = buffers, offsets
+        self.blobs = [[buffer[a:b] for a, b in pairwise(row)] for buffer, row in zip(buffers, offsets)]  # views
         self.max_blob_words = max(b - a for row in offsets for a, b in zip(row, row[1:]))  # staging capacity
         self.use_kernel = TRITON_AVAILABLE and drafts[0][0].qweight.is_cuda
         # Each load's launch arguments, prepared once per expert: its drafts' views.
@@ -68,8 +71,7 @@ class ResidualExpertStore:
 
     def blob(self, layer: int, expert: int) -> torch.Tensor:
         """The expert's blob [n] int32 (a view into the layer's host buffer)."""
-        start, end = self.offsets[layer][expert], self.offsets[layer][expert + 1]
-        return self.buffers[layer][start:end]
+        return self.blobs[layer][expert]
 
     @property
     def total_bytes(self) -> int:

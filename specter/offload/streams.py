@@ -9,8 +9,10 @@ import torch
 
 from specter.offload.bandwidth import BandwidthMeter
 from specter.offload.host_reads import HostRead, HostTap, read_when_reached
+from specter.offload.uploads import UploadRings
 
-UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through (per dtype: every other one)
+# The current stream's identity without building a Stream object (what torch.cuda.current_stream reads).
+_current_stream_of = getattr(torch._C, "_cuda_getCurrentStream", None)
 STAGING_BYTES = 128 * 2**20  # device memory for residual blobs between their copy and their decode
 MIN_STAGING_BUFFERS = 2  # at least one blob in flight while one decodes
 
@@ -75,6 +77,7 @@ class DeviceStreams:
         self.group_copies = False  # a decode group's blob copies are issued together, when its decode launches
         self.h2d: Callable | None = None  # h2d(dst, src, stream) issues a copy (cudart.copy_issuer); None: copy_
         self._staging: torch.Tensor | None = None  # [buffers, capacity] device rows for blobs, made on first use
+        self._staging_rows: tuple = ()  # its rows' views
         self._staging_read: list = []  # per staging row: event of the decode that read it last
         self._staged = 0  # residual copies issued (picks the staging row)
         self._pending: PendingDecodes | None = None  # grouped residual loads not decoded yet
@@ -82,8 +85,8 @@ class DeviceStreams:
         self._copies: list[CopyRecord] = []
         self._bandwidth = BandwidthMeter()  # recent bytes per ms of the finished copies
         self._decodes: list[tuple] = []  # (start, end) of each residual decode
-        self._uploads: dict = {}  # (ring, dtype, index) -> [pinned host buffer, event of its last copy]
-        self._upload_count: dict = {}  # ring -> uploads so far
+        self._current = (None, None)  # the current stream's (id triple, Stream object), `compute_stream`
+        self.uploads = UploadRings(self.device, self.compute_stream if self.cuda else None)
 
     def record(self):
         """An event on the compute stream marking work enqueued so far (None on CPU)."""
@@ -94,8 +97,13 @@ class DeviceStreams:
         return event
 
     def compute_stream(self):
-        """The stream decoding runs on (the current one)."""
-        return torch.cuda.current_stream(self.device)
+        """The stream decoding runs on (the current one; its Stream object is reused while it stays current)."""
+        if _current_stream_of is None:
+            return torch.cuda.current_stream(self.device)
+        current = _current_stream_of(self.device.index)  # (stream id, device index, device type)
+        if current != self._current[0]:
+            self._current = (current, torch.cuda.current_stream(self.device))
+        return self._current[1]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, demand: bool = False, previous=None):
         """dst <- src on the copy stream once `after` (dst's row's last use) has passed; returns its ready event.
@@ -176,7 +184,7 @@ class DeviceStreams:
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if self._staging_read[row] is not None:
             self.copy_stream.wait_event(self._staging_read[row])  # the decode that read this row last
-        staged = self._staging[row, :blob.numel()]
+        staged = self._staging_rows[row][:blob.numel()]
         self._issue_copy(staged, blob, self.copy_stream, start, arrived)
         if group is None:
             ready = self._decode_now(decode, staged, dst, (arrived, after, previous))
@@ -194,6 +202,7 @@ class DeviceStreams:
             self.flush_decodes()
             count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * dtype.itemsize))
             self._staging = torch.empty(count, capacity, dtype=dtype, device=self.device)
+            self._staging_rows = self._staging.unbind(0)  # each row's view, made once
             self._staging_read = [None] * count
         self._staged += 1
         return (self._staged - 1) % self._staging.shape[0]
@@ -240,7 +249,7 @@ class DeviceStreams:
         for event in dict.fromkeys(pending.staging_waits):
             self.copy_stream.wait_event(event)
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        pairs = [(self._staging[row, :blob.numel()], blob) for row, blob in pending.copies]
+        pairs = [(self._staging_rows[row][:blob.numel()], blob) for row, blob in pending.copies]
         self._issue_copies(pairs, self.copy_stream, start, arrived)
         self._copies.append(CopyRecord(start, arrived, pending.deferred_bytes(), copies=len(pairs)))
         pending.arrived, pending.copies, pending.staging_waits = arrived, [], []
@@ -308,26 +317,12 @@ class DeviceStreams:
         return read_when_reached(tensor) if self.cuda else HostRead(tensor, None)  # queued on the compute stream
 
     def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
-        """A small host tensor on the device, copied on the current stream without the host waiting for the
-        GPU: staged in one of UPLOAD_BUFFERS pinned buffers of `ring` (the host waits only if that buffer's
-        previous copy has not run yet; a stream of its own gets a ring of its own). On CPU the tensor itself."""
-        if not self.cuda:
-            return tensor
-        count = self._upload_count.get(ring, 0)
-        key = (ring, tensor.dtype, count % UPLOAD_BUFFERS)
-        self._upload_count[ring] = count + 1
-        buffer, last = self._uploads.get(key, (None, None))
-        if last is not None:
-            last.synchronize()
-        if buffer is None or buffer.numel() < tensor.numel():
-            buffer = torch.empty(max(tensor.numel(), 1), dtype=tensor.dtype, pin_memory=True)
-        staged = buffer[:tensor.numel()].view(tensor.shape)
-        staged.copy_(tensor)
-        on_device = staged.to(self.device, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(self.compute_stream())
-        self._uploads[key] = (buffer, copied)
-        return on_device
+        """A small host tensor on the device, copied on the current stream (`UploadRings.upload`)."""
+        return self.uploads.upload(tensor, ring)
+
+    def upload_map(self, size: int, entries: list[tuple[int, int]], ring: str = "maps") -> torch.Tensor:
+        """[size] int64 on the device, v at i for each (i, v) of `entries`, -1 elsewhere (`UploadRings.upload_map`)."""
+        return self.uploads.upload_map(size, entries, ring)
 
     def tap(self, shape: tuple, dtype: torch.dtype) -> HostTap | None:
         """A fixed pinned host buffer that `HostTap.record` fills from inside a CUDA graph, or None where

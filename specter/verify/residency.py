@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import mean
@@ -18,8 +18,8 @@ from specter.kernels.slot_moe import (
     TRITON_AVAILABLE,
     MoEWorkspace,
     align_routing,
-    slot_moe_rows,
     slot_moe_rows_reference,
+    slot_moe_waves,
 )
 from specter.offload.eviction import RoutingCounts
 from specter.offload.expert_cache import ExpertCache
@@ -44,15 +44,6 @@ def wave_size(option: int, slots: int) -> int:
     return slots if option < 0 else option or max(1, slots // 2)
 
 
-def wave_row_map(expert_rows: list[tuple[int, int]], num_experts: int, device: torch.device) -> torch.Tensor:
-    """[E] the pool row of each (expert, row) of a wave, -1 for every other expert, on `device` (copied from
-    pinned memory without the host waiting on CUDA)."""
-    row_map = [-1] * num_experts
-    for expert, row in expert_rows:
-        row_map[expert] = row
-    return torch.tensor(row_map, dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-
-
 class LayerPass(NamedTuple):
     """One verify layer's inputs and outputs, shared by its waves."""
 
@@ -60,7 +51,7 @@ class LayerPass(NamedTuple):
     hidden: torch.Tensor  # [T, H]
     top_k_index: torch.Tensor  # [T, k]
     rows: torch.Tensor  # [T*k, H] fp32 outputs
-    alignment: object  # the routing's expert alignment, computed once for all waves (None: torch reference)
+    waves: Callable  # waves(row_of_expert [E]): the rows of the pairs routed to the experts with a pool row
 
 
 class ResidencyManager:
@@ -141,9 +132,7 @@ class ResidencyManager:
     def _expert_wise(self, module, hidden, top_k_index, rows) -> None:
         layer, cache = module.moe_layer, self.cache
         routing = cache.streams.read_later(top_k_index)  # [T, k], in flight while the waves are enqueued
-        fused = self.slot_kernel if self.slot_kernel is not None else hidden.is_cuda and TRITON_AVAILABLE
-        alignment = align_routing(top_k_index, module.num_experts, self.workspace) if fused else None
-        step = LayerPass(module, hidden, top_k_index, rows, alignment)
+        step = LayerPass(module, hidden, top_k_index, rows, self._layer_waves(module, hidden, top_k_index, rows))
         prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead, maybe still in flight
         plan = self.plan.load_order(layer) if self.plan is not None else []
@@ -167,6 +156,17 @@ class ResidencyManager:
         for ahead in range(layer + 1, layer + 1 + self.options.ahead_layers):
             self._load_ahead(ahead)
         cache.start_loads()  # the loads ahead cross while the host runs the next layer's attention
+
+    def _layer_waves(self, module, hidden, top_k_index, rows) -> Callable:
+        """The layer's wave launches over the cache's pool: the slot kernel prepared once for all its waves (its
+        routing aligned once), or the torch reference."""
+        pool, inter = self.cache.pool, module.intermediate_dim
+        fused = self.slot_kernel if self.slot_kernel is not None else hidden.is_cuda and TRITON_AVAILABLE
+        if fused:
+            alignment = align_routing(top_k_index, module.num_experts, self.workspace)
+            return slot_moe_waves(hidden, top_k_index, pool, inter, rows, alignment, module.act_fn, self.workspace)
+        return lambda row_of_expert: slot_moe_rows_reference(hidden, top_k_index, pool, row_of_expert, inter, rows,
+                                                             module.act_fn)
 
     def _start_host_experts(self, step: LayerPass, planned: list[int], routing) -> tuple[set, object]:
         """The planned experts that run on the CPU (`host_experts.split_for_host`) and the Future of their rows
@@ -240,6 +240,8 @@ class ResidencyManager:
             if slot is None:
                 break
             wave.append((pending.popleft(), slot))
+        if wave:
+            self.cache.start_loads()  # grouped copies cross now, not when a later load fills their group
         self.host_load_ms += (time.perf_counter() - start) * 1e3
         return wave
 
@@ -248,13 +250,9 @@ class ResidencyManager:
         if not wave:
             return
         start = time.perf_counter()
-        module, layer, cache, hidden = step.module, step.module.moe_layer, self.cache, step.hidden
+        layer, cache = step.module.moe_layer, self.cache
         cache.streams.wait_all([cache.ready_event(layer, slot) for _, slot in wave])
-        row_of_expert = wave_row_map([(expert, cache.row(layer, slot)) for expert, slot in wave],
-                                     module.num_experts, hidden.device)
-        run = slot_moe_rows if step.alignment is not None else slot_moe_rows_reference
-        run(hidden, step.top_k_index, cache.pool, row_of_expert, module.intermediate_dim, step.rows,
-            module.act_fn, workspace=self.workspace, alignment=step.alignment)
+        step.waves(cache.streams.upload_map(step.module.num_experts, [(e, cache.row(layer, slot)) for e, slot in wave]))
         cache.release_all(layer, [slot for _, slot in wave])
         self.host_wave_ms += (time.perf_counter() - start) * 1e3
 

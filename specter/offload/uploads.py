@@ -1,0 +1,73 @@
+"""Uploads: small host tensors to the device on the current stream, staged in rings of pinned buffers."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through per ring (per dtype: every other one)
+MAP_BUFFERS = 64  # pinned buffers per ring and size of `upload_map` (the verify waves' maps: the host runs waves ahead)
+
+
+class UploadRings:
+    """Copies of small host tensors to `device` that never make the host wait for the GPU's queue: each goes
+    through one of a ring's pinned buffers, reused only once its previous copy has run (the host waits for
+    that copy alone, if it has not). `current_stream()` gives the stream the copies are enqueued on; None
+    on CPU, where the tensors stay on the host."""
+
+    def __init__(self, device: torch.device, current_stream: Callable | None) -> None:
+        self.device, self.current_stream = device, current_stream
+        self.buffers: dict = {}  # (ring, dtype, index) -> (pinned host buffer, event of its last copy)
+        self.counts: dict = {}  # ring -> uploads so far
+        self.map_views: dict = {}  # `upload_map`'s buffer key -> (pinned buffer, its numpy view)
+
+    def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
+        """`tensor` on the device, staged in one of UPLOAD_BUFFERS pinned buffers of `ring` (a stream of its own
+        gets a ring of its own). On CPU the tensor itself."""
+        if self.current_stream is None:
+            return tensor
+        key = self._next_buffer(ring, tensor.dtype, UPLOAD_BUFFERS)
+        buffer = self.buffers.get(key, (None, None))[0]
+        if buffer is None or buffer.numel() < tensor.numel():
+            buffer = torch.empty(max(tensor.numel(), 1), dtype=tensor.dtype, pin_memory=True)
+        staged = buffer[:tensor.numel()].view(tensor.shape)
+        staged.copy_(tensor)
+        return self._send(key, buffer, staged)
+
+    def upload_map(self, size: int, entries: list[tuple[int, int]], ring: str = "maps") -> torch.Tensor:
+        """[size] int64 on the device: v at i for each (i, v) of `entries`, -1 elsewhere (a verify wave's expert
+        -> pool row map). Written through numpy straight into one of MAP_BUFFERS pinned buffers of `ring`, kept
+        per size (no host tensor op but the copy). On CPU a host tensor."""
+        if self.current_stream is None:
+            values = torch.full((size,), -1, dtype=torch.long)
+            for index, value in entries:
+                values[index] = value
+            return values
+        key = self._next_buffer((ring, size), torch.long, MAP_BUFFERS)
+        if key not in self.map_views:
+            buffer = torch.empty(size, dtype=torch.long, pin_memory=True)
+            self.map_views[key] = (buffer, buffer.numpy())
+        buffer, values = self.map_views[key]
+        values[:] = -1
+        for index, value in entries:
+            values[index] = value
+        return self._send(key, buffer, buffer)
+
+    def _next_buffer(self, ring, dtype: torch.dtype, count: int) -> tuple:
+        """The key of `ring`'s next pinned buffer (of `count`), once that buffer's previous copy has run."""
+        used = self.counts.get(ring, 0)
+        self.counts[ring] = used + 1
+        key = (ring, dtype, used % count)
+        last = self.buffers.get(key, (None, None))[1]
+        if last is not None:
+            last.synchronize()
+        return key
+
+    def _send(self, key: tuple, buffer: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+        """`staged` (a view of the pinned `buffer`) to the device on the current stream; the buffer is kept under
+        `key` with the event of this copy."""
+        on_device = staged.to(self.device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(self.current_stream())
+        self.buffers[key] = (buffer, copied)
+        return on_device
