@@ -183,3 +183,30 @@ def test_one_launch_rebuilds_several_dsv2_experts_on_cuda(dtype):
     for (_, _, _, weights), row in zip(experts, out_rows):
         assert torch.equal(bits_of(pool[row].cpu()), bits_of(weights))
     assert not pool[2].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bound_group_launches_decode_other_items_and_buffers_bit_exactly_on_cuda():
+    """DecodeLauncher.group after its first launch of a layer's group size: only the items change (straight to
+    the compiled launcher), and a launch into another pool forgets the bound launches; every row bit-exact."""
+    from specter.kernels.residual_decode import DecodeLauncher, DecodePlan, expert_operands, group_table
+    from specter.quant.int4 import Int4Linear
+
+    dtype = torch.float16
+    experts = [make_expert(256, 128, GROUP_SIZE, dtype, "rtn", seed=seed) for seed in range(4)]
+    layout, capacity = experts[0][0], max(e[1].numel() for e in experts)
+    drafts = [Int4Linear(torch.stack([e[2][p].qweight for e in experts]).cuda(),
+                         torch.stack([e[2][p].scales for e in experts]).cuda(), GROUP_SIZE) for p in range(2)]
+    operands, launcher = expert_operands(drafts, dtype), DecodeLauncher(DecodePlan.of(layout, dtype))
+    staging = torch.zeros(4, capacity, dtype=torch.int32, device="cuda")
+    for row, (_, blob, _, _) in enumerate(experts):
+        staging[row, :blob.numel()] = blob.cuda()
+    for pool_rows, chosen in [(5, [0, 1]), (5, [3, 2]), (5, [1, 3]), (6, [2, 0])]:  # the last: another pool
+        pool = torch.zeros(pool_rows, experts[0][3].numel(), dtype=dtype, device="cuda")
+        out_rows = [pool_rows - 1, 1]
+        items = group_table([(e, experts[e][1].numel(), pool[r], e) for e, r in zip(chosen, out_rows)], capacity, pool)
+        launcher.group(operands, staging, pool, items.cuda())
+        for expert, row in zip(chosen, out_rows):
+            assert torch.equal(bits_of(pool[row].cpu()), bits_of(experts[expert][3])), (chosen, expert)
+        assert len(launcher.bound_groups) == 1

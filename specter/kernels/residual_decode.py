@@ -217,6 +217,7 @@ class DecodeLauncher:
         self.plan = plan
         self.launch = CompiledLaunch(_residual_decode_kernel, unspecialised=("blob_words",))
         self.group_launch = CompiledLaunch(_residual_decode_group_kernel)
+        self.bound_groups, self.bound_buffers = {}, None  # (layer operands, group size) -> bound launch; buffers
         self.constants = dict(zip(("M0", "M1", "M2", "M3"), MARGINS), RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
                               GROUP=plan.group_size, BLOCK_ROWS=BLOCK_ROWS, IS_BF16=plan.is_bf16,
                               CODE_TABLE=plan.code_table)
@@ -227,10 +228,26 @@ class DecodeLauncher:
 
     def group(self, layer_operands: tuple[torch.Tensor, ...], staging: torch.Tensor, pool: torch.Tensor,
               items: torch.Tensor) -> None:
-        """Several experts of one layer in one launch (`decode_experts`), on the current stream."""
+        """Several experts of one layer in one launch (`decode_experts`), on the current stream: after the first
+        launch of a layer's group size into `staging` and `pool`, straight through the compiled launcher with
+        only `items` new (`CompiledLaunch.bound`; launches into other buffers forget the bound ones)."""
+        buffers = (staging.data_ptr(), pool.data_ptr())
+        if buffers != self.bound_buffers:
+            self.bound_groups, self.bound_buffers = {}, buffers
+        key = (id(layer_operands), items.shape[0])
+        run = self.bound_groups.get(key)
+        if run is not None:
+            run(items)
+            return
         strides = tuple(operand.stride(0) for operand in layer_operands)  # one expert's step in each [E, ...]
-        self.group_launch((self.plan.grid[0], items.shape[0]), staging, pool, items, *layer_operands, *strides,
-                          *self.plan.layout_args, **self.constants)
+        grid, args = (self.plan.grid[0], items.shape[0]), (staging, pool, items, *layer_operands, *strides,
+                                                           *self.plan.layout_args)
+        self.group_launch(grid, *args, **self.constants)
+        self.bound_groups[key] = self.group_launch.bound(grid, args, self.constants, varying=2)
+
+    def unbind(self) -> None:
+        """Forget the bound group launches (they hold the staging and pool tensors)."""
+        self.bound_groups, self.bound_buffers = {}, None
 
 
 def group_table(items: list[tuple], staging_width: int, pool: torch.Tensor) -> torch.Tensor:

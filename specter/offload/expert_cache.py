@@ -164,6 +164,8 @@ class ExpertCache:
         self.streams.synchronize()
         self.pool = torch.empty(0, self.store.numel, dtype=self.store.dtype, device=self.pool.device)
         self.pool_rows = ()
+        if self.decode_launcher is not None:
+            self.decode_launcher.unbind()  # its bound launches hold the old pool
 
     def row(self, layer: int, slot: int) -> int:
         """The pool row that holds `slot`'s expert (it changes when the slot is loaded with spare rows)."""

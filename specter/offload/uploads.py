@@ -5,8 +5,11 @@ from collections.abc import Callable
 
 import torch
 
-UPLOAD_BUFFERS = 8  # pinned host buffers `upload` rotates through per ring (per dtype: every other one)
-MAP_BUFFERS = 64  # pinned buffers per ring and size of `upload_map` (the verify waves' maps: the host runs waves ahead)
+# Pinned buffers a ring rotates through (`upload`: per ring and dtype; `upload_map`: per ring and size): the host
+# issues a decode group's table or a wave's map many launches before the GPU reaches them, and waits only when a
+# buffer comes round again before its last copy has run.
+UPLOAD_BUFFERS = 64
+MAP_BUFFERS = 64
 
 
 class UploadRings:
