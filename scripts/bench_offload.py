@@ -95,6 +95,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
                              if "io_floor_bytes" in runs[0] else None),
         "h2d_gbps": mean("h2d_gbps"),
         "residual_decode_ms_per_token": mean("residual_decode_ms") / mean("generated_tokens"),
+        "residual_group_host_ms_per_token": mean("residual_group_host_ms") / mean("generated_tokens"),
+        "upload_wait_ms_per_token": mean("upload_wait_ms") / mean("generated_tokens"),
         "host_expert_runs_per_token": mean("host_expert_runs") / mean("generated_tokens"),
         "host_expert_mb_per_token": mean("host_expert_bytes") / mean("generated_tokens") / 1e6,
         "host_expert_cost": runs[0].get("host_expert_cost"),
@@ -223,7 +225,9 @@ def row_line(row: dict) -> str:
             line += (f"; waiting for a slot's reader {row['copy_gap_slot_ms_per_token']:.2f}, "
                      f"for the host {row['copy_gap_host_ms_per_token']:.2f}")
         line += (f"; host ms/token in MoE layers {row['moe_host_ms_per_token']:.2f} (loads "
-                 f"{row['moe_host_load_ms_per_token']:.2f}, waves {row['moe_host_wave_ms_per_token']:.2f})")
+                 f"{row['moe_host_load_ms_per_token']:.2f}, waves {row['moe_host_wave_ms_per_token']:.2f}); decode "
+                 f"group launches {row['residual_group_host_ms_per_token']:.2f}, upload ring waits "
+                 f"{row['upload_wait_ms_per_token']:.2f}")
     return line
 
 

@@ -85,6 +85,7 @@ class DeviceStreams:
         self._copies: list[CopyRecord] = []
         self._bandwidth = BandwidthMeter()  # recent bytes per ms of the finished copies
         self._decodes: list[tuple] = []  # (start, end) of each residual decode
+        self._flush_host_ms = 0.0  # host time launching decode groups (`flush_decodes`), wherever called from
         self._current = (None, None)  # the current stream's (id triple, Stream object), `compute_stream`
         self.uploads = UploadRings(self.device, self.compute_stream if self.cuda else None)
 
@@ -271,6 +272,11 @@ class DeviceStreams:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        start = time.perf_counter()
+        self._launch_group(pending)
+        self._flush_host_ms += (time.perf_counter() - start) * 1e3
+
+    def _launch_group(self, pending: PendingDecodes) -> None:
         if pending.copies:
             self._issue_deferred_copies(pending)
         decoding, compute = torch.cuda.Event(enable_timing=True), self.compute_stream()
@@ -348,6 +354,7 @@ class DeviceStreams:
 
     def reset_stats(self) -> None:
         self._stalls, self._copies, self._decodes = [], [], []
+        self._flush_host_ms = self.uploads.wait_ms = 0.0
         self._bandwidth.restart()
 
     def stats(self) -> dict:
@@ -363,6 +370,8 @@ class DeviceStreams:
             "wait_ms": sum(_elapsed_ms(a, b) for a, b in self._stalls),
             "residual_decodes": len(self._decodes),
             "residual_decode_ms": sum(_elapsed_ms(a, b) for a, b in self._decodes),
+            "residual_group_host_ms": self._flush_host_ms,  # launching decode groups (their tables' uploads included)
+            "upload_wait_ms": self.uploads.wait_ms,  # the host waiting for an upload ring's buffer to come free
         }
 
     def copied_bytes(self) -> int:

@@ -1,6 +1,7 @@
 """Uploads: small host tensors to the device on the current stream, staged in rings of pinned buffers."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,6 +24,7 @@ class UploadRings:
         self.buffers: dict = {}  # (ring, dtype, index) -> (pinned host buffer, event of its last copy)
         self.counts: dict = {}  # ring -> uploads so far
         self.map_views: dict = {}  # `upload_map`'s buffer key -> (pinned buffer, its numpy view)
+        self.wait_ms = 0.0  # host time waiting for a buffer's previous copy to run
 
     def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
         """`tensor` on the device, staged in one of UPLOAD_BUFFERS pinned buffers of `ring` (a stream of its own
@@ -62,8 +64,10 @@ class UploadRings:
         self.counts[ring] = used + 1
         key = (ring, dtype, used % count)
         last = self.buffers.get(key, (None, None))[1]
-        if last is not None:
+        if last is not None and not last.query():
+            start = time.perf_counter()
             last.synchronize()
+            self.wait_ms += (time.perf_counter() - start) * 1e3
         return key
 
     def _send(self, key: tuple, buffer: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
