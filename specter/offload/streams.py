@@ -277,6 +277,7 @@ class DeviceStreams:
         self._flush_host_ms += (time.perf_counter() - start) * 1e3
 
     def _launch_group(self, pending: PendingDecodes) -> None:
+        """A pending group's deferred copies (if any), then its decode on the decode stream after its events."""
         if pending.copies:
             self._issue_deferred_copies(pending)
         decoding, compute = torch.cuda.Event(enable_timing=True), self.compute_stream()
@@ -354,7 +355,8 @@ class DeviceStreams:
 
     def reset_stats(self) -> None:
         self._stalls, self._copies, self._decodes = [], [], []
-        self._flush_host_ms = self.uploads.wait_ms = 0.0
+        self._flush_host_ms = 0.0
+        self.uploads.reset_stats()
         self._bandwidth.restart()
 
     def stats(self) -> dict:

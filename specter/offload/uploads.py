@@ -26,6 +26,9 @@ class UploadRings:
         self.map_views: dict = {}  # `upload_map`'s buffer key -> (pinned buffer, its numpy view)
         self.wait_ms = 0.0  # host time waiting for a buffer's previous copy to run
 
+    def reset_stats(self) -> None:
+        self.wait_ms = 0.0
+
     def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
         """`tensor` on the device, staged in one of UPLOAD_BUFFERS pinned buffers of `ring` (a stream of its own
         gets a ring of its own). On CPU the tensor itself."""
