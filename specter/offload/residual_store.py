@@ -39,7 +39,7 @@ class ResidualExpertStore:
         self.layout, self.dtype, self.drafts = layout, dtype, drafts
         self.buffers, self.offsets = buffers, offsets
         self.blobs = [[buffer[a:b] for a, b in pairwise(row)] for buffer, row in zip(buffers, offsets)]  # views
-        self.max_blob_words = max(b - a for row in offsets for a, b in zip(row, row[1:]))  # staging capacity
+        self.max_blob_words = max(blob.numel() for row in self.blobs for blob in row)  # staging capacity
         self.use_kernel = TRITON_AVAILABLE and drafts[0][0].qweight.is_cuda
         # Each load's launch arguments, prepared once per expert: its drafts' views.
         self.operands = [[expert_operands(self.expert_drafts(layer, e), dtype) for e in range(len(offsets[layer]) - 1)]

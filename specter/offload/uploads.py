@@ -9,8 +9,7 @@ import torch
 # Pinned buffers a ring rotates through (`upload`: per ring and dtype; `upload_map`: per ring and size): the host
 # issues a decode group's table or a wave's map many launches before the GPU reaches them, and waits only when a
 # buffer comes round again before its last copy has run.
-UPLOAD_BUFFERS = 64
-MAP_BUFFERS = 64
+RING_BUFFERS = 64
 
 
 class UploadRings:
@@ -30,11 +29,11 @@ class UploadRings:
         self.wait_ms = 0.0
 
     def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
-        """`tensor` on the device, staged in one of UPLOAD_BUFFERS pinned buffers of `ring` (a stream of its own
+        """`tensor` on the device, staged in one of RING_BUFFERS pinned buffers of `ring` (a stream of its own
         gets a ring of its own). On CPU the tensor itself."""
         if self.current_stream is None:
             return tensor
-        key = self._next_buffer(ring, tensor.dtype, UPLOAD_BUFFERS)
+        key = self._next_buffer(ring, tensor.dtype, RING_BUFFERS)
         buffer = self.buffers.get(key, (None, None))[0]
         if buffer is None or buffer.numel() < tensor.numel():
             buffer = torch.empty(max(tensor.numel(), 1), dtype=tensor.dtype, pin_memory=True)
@@ -44,14 +43,14 @@ class UploadRings:
 
     def upload_map(self, size: int, entries: list[tuple[int, int]], ring: str = "maps") -> torch.Tensor:
         """[size] int64 on the device: v at i for each (i, v) of `entries`, -1 elsewhere (a verify wave's expert
-        -> pool row map). Written through numpy straight into one of MAP_BUFFERS pinned buffers of `ring`, kept
+        -> pool row map). Written through numpy straight into one of RING_BUFFERS pinned buffers of `ring`, kept
         per size (no host tensor op but the copy). On CPU a host tensor."""
         if self.current_stream is None:
             values = torch.full((size,), -1, dtype=torch.long)
             for index, value in entries:
                 values[index] = value
             return values
-        key = self._next_buffer((ring, size), torch.long, MAP_BUFFERS)
+        key = self._next_buffer((ring, size), torch.long, RING_BUFFERS)
         if key not in self.map_views:
             buffer = torch.empty(size, dtype=torch.long, pin_memory=True)
             self.map_views[key] = (buffer, buffer.numpy())
