@@ -96,6 +96,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "h2d_gbps": mean("h2d_gbps"),
         "residual_decode_ms_per_token": mean("residual_decode_ms") / mean("generated_tokens"),
         "residual_group_host_ms_per_token": mean("residual_group_host_ms") / mean("generated_tokens"),
+        "residual_decodes_per_token": mean("residual_decodes") / mean("generated_tokens"),
         "upload_wait_ms_per_token": mean("upload_wait_ms") / mean("generated_tokens"),
         "host_expert_runs_per_token": mean("host_expert_runs") / mean("generated_tokens"),
         "host_expert_mb_per_token": mean("host_expert_bytes") / mean("generated_tokens") / 1e6,
@@ -226,7 +227,8 @@ def row_line(row: dict) -> str:
                      f"for the host {row['copy_gap_host_ms_per_token']:.2f}")
         line += (f"; host ms/token in MoE layers {row['moe_host_ms_per_token']:.2f} (loads "
                  f"{row['moe_host_load_ms_per_token']:.2f}, waves {row['moe_host_wave_ms_per_token']:.2f}); decode "
-                 f"group launches {row['residual_group_host_ms_per_token']:.2f}, upload ring waits "
+                 f"launches {row['residual_decodes_per_token']:.1f}/token, group launches' host ms "
+                 f"{row['residual_group_host_ms_per_token']:.2f}, upload ring waits "
                  f"{row['upload_wait_ms_per_token']:.2f}")
     return line
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from specter.kernels.residual_decode import group_table
+from specter.kernels.residual_decode import group_rows
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DecodeGroup, DeviceStreams
 
@@ -331,9 +331,8 @@ class ExpertCache:
 
     def _decode_group(self, layer: int, staging: torch.Tensor, items: list[tuple]) -> None:
         """One launch decoding a group of this layer's loads (`DecodeGroup.launch`), its table on the device."""
-        table = group_table(items, staging.shape[1], self.pool)  # [n, 4]
-        self.residuals.decode_group(layer, self.decode_launcher, staging, self.pool,
-                                    self.streams.upload(table, ring="decode"))
+        table = self.streams.upload_rows(group_rows(items, staging.shape[1], self.pool), 4, ring="decode")  # [n, 4]
+        self.residuals.decode_group(layer, self.decode_launcher, staging, self.pool, table)
 
     def start_loads(self) -> None:
         """Start the copies of grouped loads that wait for their group's launch (`group_copies`; else nothing)."""

@@ -331,6 +331,10 @@ class DeviceStreams:
         """[size] int64 on the device, v at i for each (i, v) of `entries`, -1 elsewhere (`UploadRings.upload_map`)."""
         return self.uploads.upload_map(size, entries, ring)
 
+    def upload_rows(self, rows: list[tuple[int, ...]], width: int, ring: str = "rows") -> torch.Tensor:
+        """[len(rows), width] int64 on the device from `rows` (`UploadRings.upload_rows`)."""
+        return self.uploads.upload_rows(rows, width, ring)
+
     def tap(self, shape: tuple, dtype: torch.dtype) -> HostTap | None:
         """A fixed pinned host buffer that `HostTap.record` fills from inside a CUDA graph, or None where
         a captured graph cannot signal the host (this torch has no external events)."""

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-# Pinned buffers a ring rotates through (`upload`: per ring and dtype; `upload_map`: per ring and size): the host
-# issues a decode group's table or a wave's map many launches before the GPU reaches them, and waits only when a
-# buffer comes round again before its last copy has run.
+# Pinned buffers a ring rotates through (`upload`: per ring and dtype; `upload_map`, `upload_rows`: per ring and
+# shape): the host issues a decode group's table or a wave's map many launches before the GPU reaches them, and
+# waits only when a buffer comes round again before its last copy has run.
 RING_BUFFERS = 64
 
 
@@ -22,7 +22,7 @@ class UploadRings:
         self.device, self.current_stream = device, current_stream
         self.buffers: dict = {}  # (ring, dtype, index) -> (pinned host buffer, event of its last copy)
         self.counts: dict = {}  # ring -> uploads so far
-        self.map_views: dict = {}  # `upload_map`'s buffer key -> (pinned buffer, its numpy view)
+        self.views: dict = {}  # `upload_map`'s and `upload_rows`' buffer key -> (pinned buffer, its numpy view)
         self.wait_ms = 0.0  # host time waiting for a buffer's previous copy to run
 
     def reset_stats(self) -> None:
@@ -50,15 +50,29 @@ class UploadRings:
             for index, value in entries:
                 values[index] = value
             return values
-        key = self._next_buffer((ring, size), torch.long, RING_BUFFERS)
-        if key not in self.map_views:
-            buffer = torch.empty(size, dtype=torch.long, pin_memory=True)
-            self.map_views[key] = (buffer, buffer.numpy())
-        buffer, values = self.map_views[key]
+        key, buffer, values = self._pinned_view((ring, size), (size,))
         values[:] = -1
         for index, value in entries:
             values[index] = value
         return self._send(key, buffer, buffer)
+
+    def upload_rows(self, rows: list[tuple[int, ...]], width: int, ring: str = "rows") -> torch.Tensor:
+        """[len(rows), width] int64 on the device from `rows` (tuples of `width` ints, e.g. a decode group's
+        table), written through numpy into one of RING_BUFFERS pinned buffers of `ring`, kept per shape. On
+        CPU a host tensor."""
+        if self.current_stream is None:
+            return torch.tensor(rows, dtype=torch.long).view(len(rows), width)
+        key, buffer, values = self._pinned_view((ring, len(rows), width), (len(rows), width))
+        values[:] = rows
+        return self._send(key, buffer, buffer)
+
+    def _pinned_view(self, ring: tuple, shape: tuple) -> tuple:
+        """The key, pinned int64 buffer and numpy view of `ring`'s next free buffer (a ring keeps one shape)."""
+        key = self._next_buffer(ring, torch.long, RING_BUFFERS)
+        if key not in self.views:
+            buffer = torch.empty(shape, dtype=torch.long, pin_memory=True)
+            self.views[key] = (buffer, buffer.numpy())
+        return (key, *self.views[key])
 
     def _next_buffer(self, ring, dtype: torch.dtype, count: int) -> tuple:
         """The key of `ring`'s next pinned buffer (of `count`), once that buffer's previous copy has run."""
