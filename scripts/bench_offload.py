@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import specter  # noqa: E402
 from baselines.target_only import TargetOnly  # noqa: E402
+from experiments.machine import load_note, machine_state  # noqa: E402
 from specter.metrics import gc_paused, write_rows_csv  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 from specter.window_accounting import floor_with_host  # noqa: E402
@@ -173,7 +174,7 @@ def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list
     prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:num_prompts]]
     print(f"\n== {name} ({weights} weights, {str(model.dtype).removeprefix('torch.')}): built in {time.time() - t0:.0f} s; "
           f"K={k}, {slots} resident experts/layer ({mem}), "
-          f"{num_prompts} prompts x {new_tokens} tokens", flush=True)
+          f"{num_prompts} prompts x {new_tokens} tokens{load_note(machine_state('cuda'))}", flush=True)
     resident = run(TargetOnly(model), prompts, new_tokens)
     reference = [r["tokens"] for r in resident]
     offload_experts(model, slots)
