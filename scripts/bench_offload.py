@@ -4,7 +4,8 @@
     python scripts/bench_offload.py --models dsv2 --k 8 --quick --variants spare_rows=0 initial_chunk=2 --out DIR
 
 Per model it builds full-size seeded weights (`--weights synthetic`, the default, or `calibrated`) in
-load_model's default dtype (bf16; calibrated weights fp16) or `--dtype`, cuts the built-in prompts to 16 tokens, and decodes each prompt with:
+load_model's default dtype (bf16; calibrated weights fp16) or `--dtype`, cuts the built-in prompts to 16
+tokens, and decodes each prompt with:
 target-only with every expert resident (the token reference); target-only on demand through the mem
 preset's slots; Specter without prefetch; Specter; one Specter per `--variants` entry (SpecterConfig
 options, e.g. `eviction=popularity,initial_chunk=2`); Specter with an eager draft. `--quick` keeps only the
@@ -15,9 +16,11 @@ Each row is printed as it is measured, then a table per model; all rows go to DI
 TPOT, acceptance, hit rate, H2D MB per token and GB/s, waits, the I/O floor (the bytes of routed experts
 that were not resident when their verify window started, at the run's measured H2D bandwidth, per
 committed token), decoding's bytes over the floor, copy-stream idle time per phase, and whether the tokens
-equal the resident target's. `--repeats N` decodes every prompt N times per system (TPOT min and max over
-all of them), `--host-profile` writes a cProfile of one more decode of each Specter system. Reference
-results: results/reference/NOTES.md.
+equal the resident target's; a variant's row also has its TPOT over Specter's (`tpot_over_specter`).
+`--repeats N` decodes every prompt N times per system (TPOT min and max over all of them); with
+`--interleave` the systems take turns, each decoding every prompt once per round, N rounds (a slow spell of
+the host then falls on every system alike). `--host-profile` writes a cProfile of one more decode of each
+Specter system. Reference results: results/reference/NOTES.md.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import pstats
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,11 +59,28 @@ def run(system, prompts, new_tokens: int, repeats: int = 1) -> list[dict]:
     """One warm-up, then every prompt in turn, `repeats` times over; stats plus the tokens, prompt order
     within each repeat."""
     system.generate(prompts[0], min(new_tokens, WARMUP_TOKENS))
-    results = []
+    return [run for _ in range(repeats) for run in decode_prompts(system, prompts, new_tokens)]
+
+
+def run_interleaved(systems: list, prompts, new_tokens: int, repeats: int) -> dict[str, list[dict]]:
+    """`run` for every (label, system) of `systems` in rounds: each system's warm-up, then `repeats` rounds in
+    which each system in turn decodes every prompt, so that a slow spell of the host falls on all of them
+    alike. Label -> its runs, as `run` returns them."""
+    for _, system in systems:
+        system.generate(prompts[0], min(new_tokens, WARMUP_TOKENS))
+    runs = {label: [] for label, _ in systems}
     for _ in range(repeats):
-        for ids in prompts:
-            with gc_paused():
-                results.append(system.generate(ids, new_tokens))
+        for label, system in systems:
+            runs[label] += decode_prompts(system, prompts, new_tokens)
+    return runs
+
+
+def decode_prompts(system, prompts, new_tokens: int) -> list[dict]:
+    """One timed decode of each prompt (the cyclic GC paused): stats plus the tokens."""
+    results = []
+    for ids in prompts:
+        with gc_paused():
+            results.append(system.generate(ids, new_tokens))
     return [dict(r.stats, tokens=r.token_ids) for r in results]
 
 
@@ -162,57 +183,94 @@ def host_profile(system, prompt: torch.Tensor, new_tokens: int, path: Path, top:
     print("\n".join(lines[start: start + 13]))
 
 
-def bench_model(name: str, mem: str, num_prompts: int, new_tokens: int, ks: list[int] | None,
-                plan_only: bool = False, initial_chunk: int | None = None, variants: tuple = (),
-                quick: bool = False, profile_to: Path | None = None, weights: str = "synthetic",
-                dtype: torch.dtype | None = None, repeats: int = 1) -> list[dict]:
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `bench_model` runs: the command line's options."""
+
+    mem: str = "high"
+    num_prompts: int = 2
+    new_tokens: int = 128
+    ks: list[int] | None = None
+    plan_only: bool = False
+    initial_chunk: int | None = None
+    variants: tuple = ()
+    quick: bool = False
+    profile_to: Path | None = None
+    weights: str = "synthetic"
+    dtype: torch.dtype | None = None
+    repeats: int = 1
+    interleave: bool = False
+
+
+def bench_model(name: str, options: BenchOptions) -> list[dict]:
     t0 = time.time()
-    model = specter.load_model(name, weights=weights, device="cuda", dtype=dtype)
-    spec = model.spec
-    slots, ks = spec.mem_presets[mem], ks or [spec.default_k]
-    k = ks[0]
-    prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:num_prompts]]
-    print(f"\n== {name} ({weights} weights, {str(model.dtype).removeprefix('torch.')}): built in {time.time() - t0:.0f} s; "
-          f"K={k}, {slots} resident experts/layer ({mem}), "
-          f"{num_prompts} prompts x {new_tokens} tokens{load_note(machine_state('cuda'))}", flush=True)
-    resident = run(TargetOnly(model), prompts, new_tokens)
+    model = specter.load_model(name, weights=options.weights, device="cuda", dtype=options.dtype)
+    slots, ks = model.spec.mem_presets[options.mem], options.ks or [model.spec.default_k]
+    prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:options.num_prompts]]
+    print(f"\n== {name} ({options.weights} weights, {str(model.dtype).removeprefix('torch.')}): built in "
+          f"{time.time() - t0:.0f} s; K={ks[0]}, {slots} resident experts/layer ({options.mem}), {options.num_prompts} "
+          f"prompts x {options.new_tokens} tokens{load_note(machine_state('cuda'))}", flush=True)
+    resident = run(TargetOnly(model), prompts, options.new_tokens)
     reference = [r["tokens"] for r in resident]
     offload_experts(model, slots)
-    rows = [summarize("target_only_resident", resident, reference)]
-    chunk = {} if initial_chunk is None else {"initial_chunk": initial_chunk}
-
-    def config(k_i: int, **options) -> specter.SpecterConfig:
-        return specter.SpecterConfig(k=k_i, resident_experts_per_layer=slots, **{**chunk, **options})
-
-    systems = [] if quick else [("target_only_offload", TargetOnly(model, slots))]
-    for k_i in ks:
-        suffix = "" if len(ks) == 1 else f"_k{k_i}"
-        if not quick:
-            systems.append((f"specter_no_prefetch{suffix}", specter.SpecterEngine(model, config(k_i, prefetch=False))))
-        systems.append((f"specter{suffix}", specter.SpecterEngine(model, config(k_i))))
-        if plan_only:  # no boundary inside the draft: only the verification plan (the draft's routing) is used
-            systems.append((f"specter_plan_only{suffix}", specter.SpecterEngine(model, config(k_i, initial_chunk=k_i))))
-        systems += [(f"specter_{v}{suffix}", specter.SpecterEngine(model, config(k_i, **parse_variant(v))))
-                     for v in variants]
-    if not quick:
-        systems.append(("specter_eager_draft", specter.SpecterEngine(model, config(k, cuda_graph=False))))
-    warm_up_first_use(systems, prompts, new_tokens)
-    for label, system in systems:
-        t1 = time.time()
-        rows.append(summarize(label, run(system, prompts, new_tokens, repeats), reference))
-        rows[-1]["k"] = system.config.k if hasattr(system, "config") else None
-        print(f"   {label}: {time.time() - t1:.0f} s; {row_line(rows[-1])}", flush=True)  # kept if a call is cut
-    for label, system in systems if profile_to is not None else []:
+    systems, base_of = build_systems(model, slots, ks, options)
+    warm_up_first_use(systems, prompts, options.new_tokens)
+    rows = [summarize("target_only_resident", resident, reference)] + measure(systems, base_of, prompts, reference,
+                                                                              options)
+    for label, system in systems if options.profile_to is not None else []:
         if isinstance(system, specter.SpecterEngine):
             print(f"   host profile: {label}", flush=True)
             safe_label = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)  # a variant's label holds '=' and ','
-            host_profile(system, prompts[0], new_tokens, profile_to / f"host_profile_{name}_{safe_label}.txt")
+            host_profile(system, prompts[0], options.new_tokens,
+                         options.profile_to / f"host_profile_{name}_{safe_label}.txt")
     for row in rows:
-        row.update(model=name, weights=weights, mem=mem, slots=slots, k=row.pop("k", None) or k)
+        row.update(model=name, weights=options.weights, mem=options.mem, slots=slots, k=row.pop("k", None) or ks[0])
     del model, systems
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def build_systems(model, slots: int, ks: list[int], options: BenchOptions) -> tuple[list, dict]:
+    """[(label, system)] to measure, and {variant label: the label of the Specter it is compared with}."""
+    chunk = {} if options.initial_chunk is None else {"initial_chunk": options.initial_chunk}
+
+    def config(k_i: int, **settings) -> specter.SpecterConfig:
+        return specter.SpecterConfig(k=k_i, resident_experts_per_layer=slots, **{**chunk, **settings})
+
+    systems, base_of = [] if options.quick else [("target_only_offload", TargetOnly(model, slots))], {}
+    for k_i in ks:
+        suffix = "" if len(ks) == 1 else f"_k{k_i}"
+        if not options.quick:
+            systems.append((f"specter_no_prefetch{suffix}", specter.SpecterEngine(model, config(k_i, prefetch=False))))
+        systems.append((f"specter{suffix}", specter.SpecterEngine(model, config(k_i))))
+        if options.plan_only:  # no boundary inside the draft: only the verification plan (the draft's routing)
+            systems.append((f"specter_plan_only{suffix}", specter.SpecterEngine(model, config(k_i, initial_chunk=k_i))))
+        for v in options.variants:
+            systems.append((f"specter_{v}{suffix}", specter.SpecterEngine(model, config(k_i, **parse_variant(v)))))
+            base_of[systems[-1][0]] = f"specter{suffix}"
+    if not options.quick:
+        systems.append(("specter_eager_draft", specter.SpecterEngine(model, config(ks[0], cuda_graph=False))))
+    return systems, base_of
+
+
+def measure(systems: list, base_of: dict, prompts, reference: list, options: BenchOptions) -> list[dict]:
+    """A row per system, each printed as it is measured (all at the end with `interleave`); a variant's row
+    carries its TPOT over its Specter's (`tpot_over_specter`)."""
+    t0 = time.time()
+    timed = run_interleaved(systems, prompts, options.new_tokens, options.repeats) if options.interleave else {}
+    rows = {}
+    for label, system in systems:
+        t1 = time.time()
+        runs = timed[label] if timed else run(system, prompts, options.new_tokens, options.repeats)
+        row = rows[label] = summarize(label, runs, reference)
+        row["k"] = system.config.k if hasattr(system, "config") else None
+        base = rows.get(base_of.get(label))
+        row["tpot_over_specter"] = row["tpot_ms"] / base["tpot_ms"] if base else None
+        versus = f"; {row['tpot_over_specter']:.3f}x {base['system']}'s TPOT" if base else ""
+        took = f"{time.time() - t1:.0f} s" if not timed else f"interleaved, {time.time() - t0:.0f} s in all"
+        print(f"   {label}: {took}; {row_line(row)}{versus}", flush=True)  # kept if a call is cut
+    return list(rows.values())
 
 
 def row_line(row: dict) -> str:
@@ -236,14 +294,14 @@ def row_line(row: dict) -> str:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["system", "k", "tpot_ms", "acceptance", "hit_rate", "planned_miss_share", "h2d_mb_per_token",
-            "h2d_gbps", "residual_decode_ms_per_token", "host_expert_runs_per_token", "wait_ms_per_token", "moe_host_ms_per_token",
-            "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
-            "tokens_match_resident"]
+            "h2d_gbps", "residual_decode_ms_per_token", "host_expert_runs_per_token", "wait_ms_per_token",
+            "moe_host_ms_per_token", "draft_step_ms", "verify_ms_per_token", "prefetch_precision",
+            "io_floor_ms_per_token", "tpot_over_specter", "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))
     for r in rows:
         cells = [f"{r['system']:>22}"]
         for c in cols[1:]:
-            v = r[c]
+            v = r.get(c)
             cells.append(f"{v:12.3f}" if isinstance(v, float) else f"{str(v):>12}")
         print(" | ".join(cells))
     base = next((r for r in rows if r["system"] == "target_only_offload"), None)
@@ -251,6 +309,8 @@ def print_table(rows: list[dict]) -> None:
     for spec in (r for r in rows if r["system"].startswith("specter") and "no_prefetch" not in r["system"]
                  and r["system"] != "specter_eager_draft"):
         versus = f"{base['tpot_ms'] / spec['tpot_ms']:.2f}x TPOT vs target-only (same cache); " if base else ""
+        if spec.get("tpot_over_specter"):
+            versus += f"{spec['tpot_over_specter']:.3f}x Specter's TPOT; "
         idle = ", ".join(f"{p} {spec[f'copy_idle_{p}_ms_per_token']:.2f}" for p in ("draft", "verify", "between"))
         print(f"{spec['system']}: {versus}TPOT / I/O floor: {spec['tpot_ms'] / spec['io_floor_ms_per_token']:.2f}; "
               f"copy stream idle ms/token: {idle}")
@@ -275,6 +335,9 @@ def main() -> None:
                         help="only the resident reference, Specter and the variants (no on-demand, no-prefetch, eager)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed decodes of every prompt per system (TPOT min and max show the spread)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="decode in rounds: each system in turn decodes every prompt, --repeats rounds (a slow "
+                             "spell of the host falls on every system alike; rows are printed at the end)")
     parser.add_argument("--host-profile", action="store_true",
                         help="one more generate() of each Specter system under cProfile, written to "
                              "OUT/host_profile_<model>_<system>.txt")
@@ -289,12 +352,12 @@ def main() -> None:
         sys.exit(f"error: --repeats must be at least 1, got {args.repeats}")
     if not torch.cuda.is_available():
         sys.exit("error: bench_offload.py needs a CUDA GPU")
+    options = BenchOptions(args.mem, args.prompts, args.new_tokens, args.k, args.plan_only, args.initial_chunk,
+                           tuple(args.variants), args.quick, args.out if args.host_profile else None, args.weights,
+                           args.dtype and getattr(torch, args.dtype), args.repeats, args.interleave)
     rows = []
     for name in args.models:
-        model_rows = bench_model(name, args.mem, args.prompts, args.new_tokens, args.k, args.plan_only,
-                                 args.initial_chunk, args.variants, args.quick,
-                                 args.out if args.host_profile else None, args.weights,
-                                 args.dtype and getattr(torch, args.dtype), args.repeats)
+        model_rows = bench_model(name, options)
         print_table(model_rows)
         rows += model_rows
     write_rows_csv(args.out / "offload.csv", rows)

@@ -99,3 +99,44 @@ def test_variants_parse_numbers_and_names():
     config = specter.SpecterConfig(**bench.parse_variant("early_read_fraction=0"))
     assert config.early_read_fraction == 0
     assert specter.SpecterConfig(**bench.parse_variant("prefetch=false,cuda_graph=True")).prefetch is False
+
+
+class _Recorder:
+    """A system that records its generate() calls and returns fixed stats and tokens."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def generate(self, ids, new_tokens):
+        self.calls.append((self.name, int(ids[0, 0]), new_tokens))
+        return type("Result", (), {"stats": {"tpot_ms": 1.0}, "token_ids": [self.name]})()
+
+
+def test_interleaved_runs_warm_every_system_then_take_turns_round_by_round():
+    calls = []
+    systems = [("a", _Recorder("a", calls)), ("b", _Recorder("b", calls))]
+    prompts = [torch.tensor([[7]]), torch.tensor([[9]])]
+    runs = bench.run_interleaved(systems, prompts, 50, repeats=2)
+    warm = [("a", 7, bench.WARMUP_TOKENS), ("b", 7, bench.WARMUP_TOKENS)]
+    round_ = [("a", 7, 50), ("a", 9, 50), ("b", 7, 50), ("b", 9, 50)]
+    assert calls == warm + round_ + round_
+    assert {label: len(r) for label, r in runs.items()} == {"a": 4, "b": 4}
+    assert all(r["tokens"] == ["b"] for r in runs["b"])
+
+
+def test_measure_interleaved_gives_each_variant_its_ratio_to_specter(capsys):
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    prompts = [prompt(), prompt("def f(x):")]
+    reference = [r["tokens"] for r in bench.run(TargetOnly(model), prompts, 8)]
+    options = bench.BenchOptions(new_tokens=8, quick=True, variants=("verify_wave=-1",), repeats=2, interleave=True)
+    systems, base_of = bench.build_systems(model, 2, [3], options)
+    assert [label for label, _ in systems] == ["specter", "specter_verify_wave=-1"]
+    assert base_of == {"specter_verify_wave=-1": "specter"}
+    rows = bench.measure(systems, base_of, prompts, reference, options)
+    specter_row, variant = rows
+    assert specter_row["tpot_over_specter"] is None and variant["tokens_match_resident"] == 1.0
+    assert variant["tpot_over_specter"] == pytest.approx(variant["tpot_ms"] / specter_row["tpot_ms"])
+    out = capsys.readouterr().out
+    assert "interleaved" in out and f"{variant['tpot_over_specter']:.3f}x specter's TPOT" in out
+    bench.print_table([dict(row, k=3) for row in rows])
+    assert f"{variant['tpot_over_specter']:.3f}x Specter's TPOT" in capsys.readouterr().out
