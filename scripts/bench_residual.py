@@ -38,7 +38,8 @@ from specter.kernels.residual_decode import (  # noqa: E402
 from specter.metrics import format_row, write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.offload.cudart import copy_issuer  # noqa: E402
-from specter.offload.streams import DecodeGroup, DeviceStreams  # noqa: E402
+from specter.offload.decode_groups import DecodeGroup  # noqa: E402
+from specter.offload.streams import DeviceStreams  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
 from specter.quant.residual import bits_of  # noqa: E402
 from specter.quant.residual_expert import encode_expert, expert_layout  # noqa: E402

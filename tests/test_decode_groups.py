@@ -6,7 +6,8 @@ The fakes keep a log of what each stream is asked to do and fail on a wait for a
 import pytest
 import torch
 
-from specter.offload.streams import DecodeGroup, DeviceStreams
+from specter.offload.decode_groups import DecodeGroup
+from specter.offload.streams import DeviceStreams
 
 
 class FakeEvent:

@@ -9,8 +9,9 @@ from typing import NamedTuple
 import torch
 
 from specter.kernels.residual_decode import group_rows
+from specter.offload.decode_groups import DecodeGroup
 from specter.offload.host_store import HostExpertStore
-from specter.offload.streams import DecodeGroup, DeviceStreams
+from specter.offload.streams import DeviceStreams
 
 PREFETCH, DEMAND = "prefetch", "demand"
 CAUSES = (PREFETCH, "ahead", "verify")  # what evicted an expert that the same window loads again
