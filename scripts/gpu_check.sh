@@ -47,7 +47,8 @@
 # ahead: the GPU tests of draft-ahead, its branch and SideSteps, then calibrated dsv2 (AHEAD_MEM, default high;
 # AHEAD_K, default 32; AHEAD_REPEATS decodes of the built-in prompts, default 2) with Specter and AHEAD_VARIANTS
 # (default: the three options; with draft_ahead_prompt), each row as measured, with the host's time in draft-ahead's
-# launch and the windows drafted ahead, by the branch and from the prompt (OUT/ahead/offload.csv).
+# launch and the windows drafted ahead, by the branch and from the prompt (OUT/ahead/offload.csv); AHEAD_ARGS adds
+# bench_offload flags, e.g. --interleave (the systems take turns round by round; each variant's x Specter printed).
 # calibration: each of CAL_MODELS (default "phi mixtral") calibrated at its real depth in fp16, the registry's
 # profile as committed: routing against the real row, Specter's acceptance with RTN and GPTQ drafts
 # (fit_calibration.py --check-only --check-gptq, CAL_PROMPTS per dataset, default 1; phi about 250 s, mixtral 300 s:
@@ -106,11 +107,11 @@ for step in "${STEPS[@]}"; do
              > "$OUT/ahead_tests.log" 2>&1; rc=$?
            grep -E "passed|failed|error" "$OUT/ahead_tests.log" | tail -2; grep -E "^FAILED" "$OUT/ahead_tests.log"
            python3 scripts/bench_offload.py --models dsv2 --mem "${AHEAD_MEM:-high}" --k "${AHEAD_K:-32}" --quick \
-             --weights calibrated --repeats "${AHEAD_REPEATS:-2}" --out "$OUT/ahead" --variants ${AHEAD_VARIANTS:-\
+             --weights calibrated --repeats "${AHEAD_REPEATS:-2}" ${AHEAD_ARGS:-} --out "$OUT/ahead" --variants ${AHEAD_VARIANTS:-\
              residual_transfer=true,draft_ahead=true,draft_compile=true \
              residual_transfer=true,draft_ahead=true,draft_compile=true,draft_ahead_prompt=true} \
              2>&1 | grep --line-buffered -v -i -E "warn|max_cache_len" | tee "$OUT/ahead.log" \
-             | grep -E "^   [a-z_=,0-9]+: [0-9]+ s;"; [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
+             | grep -E "^   [a-z_=,0-9-]+: (interleaved, )?[0-9]+ s"; [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     calibration) rc=0  # each model's committed profile at its real depth: routing, RTN and GPTQ acceptance
               for model in ${CAL_MODELS:-phi mixtral}; do
                 python3 scripts/fit_calibration.py --models "$model" --layers 0 --device cuda --dtype float16 \
