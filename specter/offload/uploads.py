@@ -21,7 +21,7 @@ class UploadRings:
     def __init__(self, device: torch.device, current_stream: Callable | None) -> None:
         self.device, self.current_stream = device, current_stream
         self.buffers: dict = {}  # (ring, dtype, index) -> (pinned host buffer, event of its last copy)
-        self.counts: dict = {}  # ring -> uploads so far
+        self.counts: dict = {}  # (ring, dtype) -> uploads so far
         self.views: dict = {}  # `upload_map`'s and `upload_rows`' buffer key -> (pinned buffer, its numpy view)
         self.wait_ms = 0.0  # host time waiting for a buffer's previous copy to run
 
@@ -33,7 +33,7 @@ class UploadRings:
         gets a ring of its own). On CPU the tensor itself."""
         if self.current_stream is None:
             return tensor
-        key = self._next_buffer(ring, tensor.dtype, RING_BUFFERS)
+        key = self._next_buffer((ring, tensor.dtype))
         buffer = self.buffers.get(key, (None, None))[0]
         if buffer is None or buffer.numel() < tensor.numel():
             buffer = torch.empty(max(tensor.numel(), 1), dtype=tensor.dtype, pin_memory=True)
@@ -43,14 +43,8 @@ class UploadRings:
 
     def upload_map(self, size: int, entries: list[tuple[int, int]], ring: str = "maps") -> torch.Tensor:
         """[size] int64 on the device: v at i for each (i, v) of `entries`, -1 elsewhere (a verify wave's expert
-        -> pool row map). Written through numpy straight into one of RING_BUFFERS pinned buffers of `ring`, kept
-        per size (no host tensor op but the copy). On CPU a host tensor."""
-        if self.current_stream is None:
-            values = torch.full((size,), -1, dtype=torch.long)
-            for index, value in entries:
-                values[index] = value
-            return values
-        key, buffer, values = self._pinned_view((ring, size), (size,))
+        -> pool row map), written through numpy into `ring`'s next buffer (`_int64_buffer`)."""
+        key, buffer, values = self._int64_buffer((ring, size), (size,))
         values[:] = -1
         for index, value in entries:
             values[index] = value
@@ -58,27 +52,28 @@ class UploadRings:
 
     def upload_rows(self, rows: list[tuple[int, ...]], width: int, ring: str = "rows") -> torch.Tensor:
         """[len(rows), width] int64 on the device from `rows` (tuples of `width` ints, e.g. a decode group's
-        table), written through numpy into one of RING_BUFFERS pinned buffers of `ring`, kept per shape. On
-        CPU a host tensor."""
-        if self.current_stream is None:
-            return torch.tensor(rows, dtype=torch.long).view(len(rows), width)
-        key, buffer, values = self._pinned_view((ring, len(rows), width), (len(rows), width))
+        table), written through numpy into `ring`'s next buffer (`_int64_buffer`)."""
+        key, buffer, values = self._int64_buffer((ring, len(rows), width), (len(rows), width))
         values[:] = rows
         return self._send(key, buffer, buffer)
 
-    def _pinned_view(self, ring: tuple, shape: tuple) -> tuple:
-        """The key, pinned int64 buffer and numpy view of `ring`'s next free buffer (a ring keeps one shape)."""
-        key = self._next_buffer(ring, torch.long, RING_BUFFERS)
+    def _int64_buffer(self, ring: tuple, shape: tuple) -> tuple:
+        """(key, int64 buffer of `shape`, its numpy view) to fill: `ring`'s next pinned buffer, kept per ring
+        (a ring keeps one shape; no host tensor op but the copy); on CPU a fresh host tensor and key None."""
+        if self.current_stream is None:
+            buffer = torch.empty(shape, dtype=torch.long)
+            return None, buffer, buffer.numpy()
+        key = self._next_buffer((ring, torch.long))
         if key not in self.views:
             buffer = torch.empty(shape, dtype=torch.long, pin_memory=True)
             self.views[key] = (buffer, buffer.numpy())
         return (key, *self.views[key])
 
-    def _next_buffer(self, ring, dtype: torch.dtype, count: int) -> tuple:
-        """The key of `ring`'s next pinned buffer (of `count`), once that buffer's previous copy has run."""
+    def _next_buffer(self, ring: tuple) -> tuple:
+        """The key of `ring`'s next pinned buffer (of RING_BUFFERS), once that buffer's previous copy has run."""
         used = self.counts.get(ring, 0)
         self.counts[ring] = used + 1
-        key = (ring, dtype, used % count)
+        key = (*ring, used % RING_BUFFERS)
         last = self.buffers.get(key, (None, None))[1]
         if last is not None and not last.query():
             start = time.perf_counter()
@@ -86,9 +81,11 @@ class UploadRings:
             self.wait_ms += (time.perf_counter() - start) * 1e3
         return key
 
-    def _send(self, key: tuple, buffer: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    def _send(self, key: tuple | None, buffer: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
         """`staged` (a view of the pinned `buffer`) to the device on the current stream; the buffer is kept under
-        `key` with the event of this copy."""
+        `key` with the event of this copy. On CPU (key None) `staged` itself."""
+        if key is None:
+            return staged
         on_device = staged.to(self.device, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(self.current_stream())
