@@ -10,6 +10,7 @@ import torch
 from specter.offload.bandwidth import BandwidthMeter
 from specter.offload.decode_groups import DecodeGroup, PendingDecodes
 from specter.offload.host_reads import HostRead, HostTap, read_when_reached
+from specter.offload.stream_waits import StreamWaits
 from specter.offload.uploads import UploadRings
 
 # The current stream's identity without building a Stream object (what torch.cuda.current_stream reads).
@@ -35,7 +36,8 @@ class DeviceStreams:
 
     On CUDA: copies go to a dedicated copy stream (pinned source, non_blocking), each copy first waits
     for the destination row's last-use event and records a ready event; compute waits on ready events
-    with `wait_event` (no host synchronisation). On CPU everything is synchronous and events are None.
+    with `wait_event` (no host synchronisation), through `waits` (`StreamWaits`: no stream waits twice for
+    one event, nor for its own). On CPU everything is synchronous and events are None.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -60,6 +62,7 @@ class DeviceStreams:
         self._decodes: list[tuple] = []  # (start, end) of each residual decode
         self._flush_host_ms = 0.0  # host time launching decode groups (`flush_decodes`), wherever called from
         self._current = (None, None)  # the current stream's (id triple, Stream object), `compute_stream`
+        self.waits = StreamWaits()  # every stream wait goes through it: none issued twice
         self.uploads = UploadRings(self.device, self.compute_stream if self.cuda else None)
 
     def record(self):
@@ -98,10 +101,9 @@ class DeviceStreams:
         if self.split_waiting_copies:
             stream = self.waiting_stream if after is not None and not after.query() else self.copy_stream
             for event in (after, previous):
-                if event is not None:
-                    stream.wait_event(event)  # the row's last copy may be on the other stream
-        elif after is not None:
-            stream.wait_event(after)
+                self.waits.wait(stream, event)  # the row's last copy may be on the other stream
+        else:
+            self.waits.wait(stream, after)
         self._issue_copy(dst, src, stream, start, ready)
         self._copies.append(CopyRecord(start, ready, nbytes, after))
         return ready
@@ -156,8 +158,7 @@ class DeviceStreams:
         if group is not None and self.group_copies:
             return self._defer_copy(group, row, blob, (dst, member), (after, previous))
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if self._staging_read[row] is not None:
-            self.copy_stream.wait_event(self._staging_read[row])  # the decode that read this row last
+        self.waits.wait(self.copy_stream, self._staging_read[row])  # the decode that read this row last
         staged = self._staging_rows[row][:blob.numel()]
         self._issue_copy(staged, blob, self.copy_stream, start, arrived)
         if group is None:
@@ -188,11 +189,11 @@ class DeviceStreams:
         torch.cuda.set_stream(self.decode_stream)
         try:
             for event in waits:
-                if event is not None:
-                    self.decode_stream.wait_event(event)
+                self.waits.wait(self.decode_stream, event)
             decoding.record(self.decode_stream)
             decode(staged, dst)
             ready.record(self.decode_stream)
+            self.waits.mark_past(self.decode_stream, ready)
         finally:
             torch.cuda.set_stream(compute)
         self._decodes.append((decoding, ready))
@@ -221,7 +222,7 @@ class DeviceStreams:
         """The pending group's blob copies, back to back on the copy stream after the decodes that last read
         their staging rows: one wait per distinct reader, one timing record for all of them."""
         for event in dict.fromkeys(pending.staging_waits):
-            self.copy_stream.wait_event(event)
+            self.waits.wait(self.copy_stream, event)
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         pairs = [(self._staging_rows[row][:blob.numel()], blob) for row, blob in pending.copies]
         self._issue_copies(pairs, self.copy_stream, start, arrived)
@@ -256,11 +257,12 @@ class DeviceStreams:
         decoding, compute = torch.cuda.Event(enable_timing=True), self.compute_stream()
         try:
             torch.cuda.set_stream(self.decode_stream)
-            for event in dict.fromkeys([pending.arrived, *pending.waits]):  # each once, in order
-                self.decode_stream.wait_event(event)
+            for event in [pending.arrived, *pending.waits]:
+                self.waits.wait(self.decode_stream, event)
             decoding.record(self.decode_stream)
             pending.group.launch(self._staging, pending.items)
             pending.ready.record(self.decode_stream)
+            self.waits.mark_past(self.decode_stream, pending.ready)
         finally:
             torch.cuda.set_stream(compute)
         self._decodes.append((decoding, pending.ready))
@@ -280,16 +282,28 @@ class DeviceStreams:
         self.wait_all([ready])
 
     def wait_all(self, events: list) -> None:
-        """`wait` for several copies (one launch's experts): one timed stall for those not finished yet."""
+        """`wait` for several copies (one launch's experts), each event once and only where the compute stream is
+        not past it yet (`StreamWaits`) and it has not finished: one timed stall for them."""
         if self._pending is not None and self._pending.holds(*events):
             self.flush_decodes()  # an unrecorded event would not hold the compute stream back
-        pending = [event for event in events if event is not None and not event.query()]
+        if not self.cuda:
+            return  # CPU: copies are synchronous, there is nothing to wait for
+        stream = self.compute_stream()
+        pending = [event for event in dict.fromkeys(events) if event is not None
+                   and not self.waits.is_past(stream, event) and not self._passed(stream, event)]
         if not pending:
             return
-        before, stream = self.record(), self.compute_stream()
+        before = self.record()
         for event in pending:
-            stream.wait_event(event)
+            self.waits.wait(stream, event)
         self._stalls.append((before, self.record()))
+
+    def _passed(self, stream, event) -> bool:
+        """Has `event` completed (then `stream` is marked past it)?"""
+        if not event.query():
+            return False
+        self.waits.mark_past(stream, event)
+        return True
 
     def read_later(self, tensor: torch.Tensor) -> HostRead:
         """Start copying a small device tensor to the host now (pinned, async); `.result()` waits for that
@@ -333,6 +347,7 @@ class DeviceStreams:
     def reset_stats(self) -> None:
         self._stalls, self._copies, self._decodes = [], [], []
         self._flush_host_ms = 0.0
+        self.waits.skipped = 0
         self.uploads.reset_stats()
         self._bandwidth.restart()
 
@@ -351,6 +366,7 @@ class DeviceStreams:
             "residual_decode_ms": sum(_elapsed_ms(a, b) for a, b in self._decodes),
             "residual_group_host_ms": self._flush_host_ms,  # launching decode groups (their tables' uploads included)
             "upload_wait_ms": self.uploads.wait_ms,  # the host waiting for an upload ring's buffer to come free
+            "stream_waits_skipped": self.waits.skipped,  # waits a stream was already past (no CUDA call)
         }
 
     def copied_bytes(self) -> int:

@@ -1,0 +1,43 @@
+"""scripts/bench_host_path.py: the verify pass's host path on CPU with CUDA faked."""
+import pytest
+
+from specter.offload.stream_waits import StreamWaits
+from tests.scripts import load_script
+
+bench = load_script("bench_host_path")
+
+
+@pytest.fixture(scope="module")
+def work():
+    return bench.windows(bench.HostPathOptions(), 2)
+
+
+def test_each_variant_verifies_the_same_windows_with_every_wait_on_a_recorded_event(work):
+    """The fakes fail on a wait for an event never recorded; the loads depend on the windows alone."""
+    rows = [bench.measure(bench.HostPathOptions(**fields), work, repeats=1)
+            for fields in ({}, {"wave": -1, "group_copies": True}, {"group": 1}, {"cudart": True})]
+    assert len({round(row["loads_per_layer"], 6) for row in rows}) == 1 and rows[0]["loads_per_layer"] > 30
+    assert rows[1]["waves_per_layer"] < rows[0]["waves_per_layer"]  # a wave of every slot: fewer waves
+    assert rows[2]["decode_launches_per_layer"] == rows[2]["loads_per_layer"]  # groups of 1: a launch per load
+    assert rows[3]["stream_switches_per_layer"] < rows[0]["stream_switches_per_layer"]  # no switch per copy
+    assert all(row["cuda_calls_per_layer"] > 0 and row["us_per_layer"] > 0 for row in rows)
+
+
+def test_the_stream_waits_spare_calls_without_changing_the_work(work, monkeypatch):
+    with_memo = bench.measure(bench.HostPathOptions(), work, repeats=1)
+    monkeypatch.setattr(StreamWaits, "wait", lambda self, stream, event: event is None or stream.wait_event(event))
+    monkeypatch.setattr(StreamWaits, "is_past", lambda self, stream, event: False)
+    without = bench.measure(bench.HostPathOptions(), work, repeats=1)
+    assert with_memo["loads_per_layer"] == without["loads_per_layer"]
+    assert with_memo["waves_per_layer"] == without["waves_per_layer"]
+    assert with_memo["waits_per_layer"] < 0.7 * without["waits_per_layer"]
+    assert with_memo["queries_per_layer"] < without["queries_per_layer"]
+
+
+def test_the_command_prints_a_row_per_variant_and_rejects_unknown_options(capsys):
+    assert bench.main(["--windows", "1", "--repeats", "1", "--variants", "wave=-1,group_copies=true"]) == 0
+    out = capsys.readouterr().out
+    assert "defaults: " in out and "wave=-1,group_copies=true: " in out and "x the defaults' host us" in out
+    assert bench.main(["--windows", "1", "--variants", "waves=2"]) == 2
+    assert "unknown or empty option 'waves=2'" in capsys.readouterr().err
+    assert bench.parse_variant("group_copies=yes,slots=8") == {"group_copies": True, "slots": 8}
