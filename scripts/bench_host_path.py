@@ -50,7 +50,8 @@ from specter.verify.residency import ResidencyManager, VerifyOptions  # noqa: E4
 class FakeCuda:
     """Stand-ins for torch.cuda's events and streams that count every call by kind in `calls` (holding none of
     the objects, so the host's garbage collector sees what it would with CUDA); a stream's wait for an event
-    never recorded raises AssertionError (real CUDA would let it pass at once: a race)."""
+    never recorded, or a query of one, raises AssertionError (real CUDA would let it pass at once, or call it
+    done: a race)."""
 
     def __init__(self) -> None:
         self.calls: Counter = Counter()
@@ -67,6 +68,7 @@ class FakeCuda:
                 calls["record"] += 1
 
             def query(self) -> bool:
+                assert self.stream is not None, "a query of an event never recorded (CUDA says it is done)"
                 calls["query"] += 1
                 return False  # still running on the device
 

@@ -12,7 +12,8 @@ class StreamWaits:
     it waited for that event before, the event was recorded on it, or the event has completed (`mark_past`).
     Either makes a second wait a no-op on the GPU, while it costs the host a CUDA call. This holds because
     every event the offload runtime waits for is recorded once (a fresh event per copy, decode, release and
-    upload) before any wait for it.
+    upload) before any wait for it or query of it (CUDA calls an event never recorded done; a pending
+    decode group is launched before anything waits for its event).
 
     What is remembered is kept per stream object (the runtime keeps its streams' objects, and the current
     stream's while it stays current), for the latest REMEMBERED_STREAMS objects, each with its latest
