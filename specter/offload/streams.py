@@ -63,6 +63,7 @@ class DeviceStreams:
         self._flush_host_ms = 0.0  # host time launching decode groups (`flush_decodes`), wherever called from
         self._current = (None, None)  # the current stream's (id triple, Stream object), `compute_stream`
         self.waits = StreamWaits()  # every stream wait goes through it: none issued twice
+        self._skipped_before = 0  # waits it had spared at the last `reset_stats`
         self.uploads = UploadRings(self.device, self.compute_stream if self.cuda else None)
 
     def record(self):
@@ -347,7 +348,7 @@ class DeviceStreams:
     def reset_stats(self) -> None:
         self._stalls, self._copies, self._decodes = [], [], []
         self._flush_host_ms = 0.0
-        self.waits.skipped = 0
+        self._skipped_before = self.waits.skipped
         self.uploads.reset_stats()
         self._bandwidth.restart()
 
@@ -366,7 +367,7 @@ class DeviceStreams:
             "residual_decode_ms": sum(_elapsed_ms(a, b) for a, b in self._decodes),
             "residual_group_host_ms": self._flush_host_ms,  # launching decode groups (their tables' uploads included)
             "upload_wait_ms": self.uploads.wait_ms,  # the host waiting for an upload ring's buffer to come free
-            "stream_waits_skipped": self.waits.skipped,  # waits a stream was already past (no CUDA call)
+            "stream_waits_skipped": self.waits.skipped - self._skipped_before,  # waits spared (no CUDA call)
         }
 
     def copied_bytes(self) -> int:
