@@ -21,7 +21,6 @@ import cProfile
 import dataclasses
 import gc
 import pstats
-import statistics
 import sys
 import time
 from collections import Counter
