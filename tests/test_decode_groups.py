@@ -146,6 +146,23 @@ def test_a_group_of_four_makes_fewer_events_and_launches_per_load(streams, rows)
     assert len(launches()) == 1
 
 
+
+def waits(stream: str) -> list:
+    return [event for kind, name, event in LOG if kind == "wait" and name == stream]
+
+
+def test_a_shared_ready_event_is_waited_for_once_and_a_decode_stream_event_not_by_the_decode_stream(streams, rows):
+    """Two waves on one group's loads: the compute stream waits for its ready event once. A group whose rows
+    were last filled by an earlier group's decode does not make the decode stream wait for that decode."""
+    group = grouped("layer0", size=8)
+    first = [load(streams, rows[i], i, group, member=i) for i in range(2)]
+    streams.wait_all(first[:1])
+    streams.wait_all(first)  # the same event again: already waited for
+    assert waits("compute") == [first[0]] and first[0] is first[1]
+    load(streams, rows[2], 9, group, member=2, previous=first[0])  # that row's last copy: decoded on "decode"
+    streams.flush_decodes()
+    assert first[0] not in waits("decode") and streams.stats()["stream_waits_skipped"] >= 2
+
 def test_freeing_a_cache_runs_its_pending_decodes_first(streams, rows):
     """A pool is dropped only once nothing still writes into it."""
     from specter.offload.eviction import RoutingCounts, make_policy

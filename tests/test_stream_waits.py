@@ -30,6 +30,7 @@ def test_streams_are_apart_and_an_event_marked_past_is_not_waited_for():
     waits.wait(decode, arrived)
     assert decode.waited == [arrived] and copy.waited == [ready]
     assert waits.is_past(copy, ready) and waits.is_past(decode, arrived) and not waits.is_past(copy, arrived)
+    assert not waits.needs_wait(decode, ready) and waits.needs_wait(copy, arrived) and waits.skipped == 2
 
 
 def test_only_the_latest_events_and_streams_are_remembered(monkeypatch):

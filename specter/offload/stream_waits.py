@@ -43,6 +43,13 @@ class StreamWaits:
         entry = self.past.get(id(stream))
         return entry is not None and event in entry[1]
 
+    def needs_wait(self, stream, event) -> bool:
+        """Is `stream` not yet known to be past `event`? (False counts as a wait spared.)"""
+        if self.is_past(stream, event):
+            self.skipped += 1
+            return False
+        return True
+
     def _events(self, stream) -> dict:
         entry = self.past.get(id(stream))
         if entry is None:

@@ -291,7 +291,7 @@ class DeviceStreams:
             return  # CPU: copies are synchronous, there is nothing to wait for
         stream = self.compute_stream()
         pending = [event for event in dict.fromkeys(events) if event is not None
-                   and not self.waits.is_past(stream, event) and not self._passed(stream, event)]
+                   and self.waits.needs_wait(stream, event) and not self._passed(stream, event)]
         if not pending:
             return
         before = self.record()
