@@ -11,7 +11,7 @@ own routing (the draft predicted it all), so almost every routed expert is strea
 
     python scripts/bench_host_path.py [--windows 20] [--variants wave=-1 group_copies=true,wave=-1]
 
-A variant sets `HostPathOptions` fields (wave, group, group_copies, cudart, slots, spare_rows) as key=value pairs
+A variant sets `HostPathOptions` fields (wave, group, group_copies, cudart, spare_slots, slots, spare_rows) as key=value pairs
 joined by commas; each runs in the same process after the defaults, on the same windows.
 """
 from __future__ import annotations
@@ -123,8 +123,8 @@ class FakeStream:
 @dataclass(frozen=True)
 class HostPathOptions:
     """The stack and the runtime's switches: verify_wave (`wave`), residual_decode_group (`group`),
-    residual_group_copies (`group_copies`), copy_issue=cudart (`cudart`), resident experts per layer
-    (`slots`), spare_rows."""
+    residual_group_copies (`group_copies`), copy_issue=cudart (`cudart`), verify_spare_slots (`spare_slots`),
+    resident experts per layer (`slots`), spare_rows."""
 
     layers: int = 26
     experts: int = 64
@@ -136,6 +136,7 @@ class HostPathOptions:
     group: int = 8
     group_copies: bool = False
     cudart: bool = False  # copy_issue=cudart: each copy one runtime call (faked), no stream switches
+    spare_slots: bool = False  # verify_spare_slots: a verify layer streams through the spare rows too
 
 
 class FakeResiduals:
@@ -167,7 +168,8 @@ def build(options: HostPathOptions, fake: FakeCuda) -> ResidencyManager:
         store.put_layer(layer, torch.zeros(options.experts, 16, 16, dtype=torch.float16),
                         torch.zeros(options.experts, 16, 8, dtype=torch.float16))
     cache = ExpertCache(store, options.slots, torch.device("cpu"), fake.device_streams(), LRUPolicy(),
-                        options.spare_rows, FakeResiduals(options, fake.calls), 0, options.group)
+                        options.spare_rows, FakeResiduals(options, fake.calls), 0, options.group,
+                        spare_slots=options.spare_slots)
     cache.streams.group_copies = options.group_copies
     if options.cudart:
         cache.streams.h2d = lambda dst, src, stream: dst.copy_(src)

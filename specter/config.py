@@ -47,6 +47,11 @@ class SpecterConfig:
     spare_rows: device rows for experts beyond the slots, shared by all layers (taken from the budget's
       workspace): a load lands in the spare released longest ago and its victim's row becomes a spare,
       so a copy never waits for the kernels still reading its victim (0: copies go into the victim's row).
+    verify_spare_slots: a verify layer also streams through the spare rows, as slots of its own lent for the
+      layer and given back (least recently used first, their experts evicted) when it ends: waves of half of
+      slots + spare_rows, so fewer waves and decode launches per layer in the same memory. Loads into the
+      layer's own slots then go into their victims' rows while the spares are lent; with residual_transfer
+      that costs nothing, since the blobs cross into staging rows and only the decode waits for the row.
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
     draft_compile: torch.compile the draft step before capturing it (fused kernels for the dense part of
@@ -109,6 +114,7 @@ class SpecterConfig:
     load_ahead_layers: int = 2
     copy_streams: int = 1
     spare_rows: int = 4
+    verify_spare_slots: bool = False
     cuda_graph: bool = True
     draft_compile: bool = False
     draft_ahead: bool = False
@@ -133,7 +139,8 @@ class SpecterConfig:
         _number(self, "top_p", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
         _integer(self, "seed", None)
         for name in ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "draft_ahead_branch",
-                     "draft_ahead_prompt", "residual_transfer", "host_experts", "residual_group_copies"):
+                     "draft_ahead_prompt", "residual_transfer", "host_experts", "residual_group_copies",
+                     "verify_spare_slots"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecterError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:

@@ -13,7 +13,8 @@ LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 8, 4
 
 
 def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=None,
-               counts: RoutingCounts | None = None, prefetch_victims: str = "any") -> ExpertCache:
+               counts: RoutingCounts | None = None, prefetch_victims: str = "any",
+               spare_slots: bool = False) -> ExpertCache:
     """A cache over a small host store; the popularity policy reads `counts` (new if None)."""
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
@@ -22,7 +23,7 @@ def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=Non
     streams = streams or DeviceStreams(torch.device("cpu"))
     counts = RoutingCounts() if counts is None else counts
     return ExpertCache(store, slots, torch.device("cpu"), streams, make_policy(policy, counts), spare_rows,
-                       prefetch_victims=prefetch_victims)
+                       prefetch_victims=prefetch_victims, spare_slots=spare_slots)
 
 
 class EventLog:
@@ -254,3 +255,54 @@ def test_every_copy_waits_for_the_last_reader_of_the_row_it_writes(spare_rows):
             assert after == last_reader.get(row), f"a copy into row {row} did not wait for its last reader"
         rows = [cache.row(lay, s) for lay in range(LAYERS) for s in range(2)] + [r.row for r in cache.spares]
         assert sorted(rows) == list(range(LAYERS * 2 + spare_rows))
+
+
+def owned_rows(cache: ExpertCache) -> list[int]:
+    """Every pool row a slot or the spares hold, sorted (each must appear once)."""
+    rows = [row for slots in cache.layers for row in slots.rows if row is not None]
+    return sorted(rows + [spare.row for spare in cache.spares])
+
+
+@pytest.mark.parametrize("spare_rows", [1, 3])
+def test_spare_slots_lend_rows_to_a_verify_layer_and_take_them_back(spare_rows):
+    """verify_spare_slots: streamed loads fill the rowless slots while spares last (then the layer's own victims),
+    each copy still waits for the last reader of its row, every row keeps one owner, and giving the lent rows
+    back leaves the layer its own slot count, the most recently used experts kept."""
+    rng, log = random.Random(spare_rows), EventLog()
+    cache = make_cache(2, "lru", spare_rows, streams=log, spare_slots=True)
+    log.pool = cache.pool
+    assert cache.stream_slots == 2 + spare_rows and cache.pool.shape[0] == LAYERS * 2 + spare_rows
+    last_reader: dict[int, int] = {}
+    for _ in range(300):
+        layer = rng.randrange(LAYERS)
+        copies, held = len(log.copies), []
+        for expert in rng.sample(range(EXPERTS), rng.randint(1, EXPERTS)):
+            if cache.slot_of(layer, expert) is None:
+                slot = cache.load_if_free(layer, expert)
+                if slot is None:
+                    break
+                held.append(slot)
+        assert len(held) <= cache.stream_slots
+        for row, after in log.copies[copies:]:
+            assert after == last_reader.get(row), f"a copy into row {row} did not wait for its last reader"
+        assert owned_rows(cache) == list(range(LAYERS * 2 + spare_rows))
+        for slot in held:
+            row = cache.row(layer, slot)
+            cache.release(layer, slot)
+            last_reader[row] = log.events
+        recent = [cache.layers[layer].expert_of[s] for s in list(cache.layers[layer].lru)[-2:]]
+        cache.return_lent_rows(layer)
+        assert sum(row is not None for row in cache.layers[layer].rows) <= 2 and len(cache.spares) == spare_rows
+        assert {e for e in recent if e is not None} <= cache.resident_experts(layer)
+        assert owned_rows(cache) == list(range(LAYERS * 2 + spare_rows))
+        if rng.random() < 0.3:
+            cache.prefetch(rng.randrange(LAYERS), rng.randrange(EXPERTS))  # own slots only: no spare lent
+            assert len(cache.spares) == spare_rows
+
+
+def test_without_spare_slots_a_layer_never_holds_more_than_its_slots():
+    cache = make_cache(2, spare_rows=3)
+    assert cache.stream_slots == 2 and [slots.size for slots in cache.layers] == [2, 2]
+    assert [cache.load_if_free(0, e) for e in range(3)] == [0, 1, None]
+    cache.return_lent_rows(0)  # nothing lent: no-op
+    assert cache.resident_experts(0) == {0, 1} and len(cache.spares) == 3

@@ -36,7 +36,8 @@ def test_greedy_with_offload_equals_hf_generate(tiny_name, slots):
 @pytest.mark.parametrize("variant", [dict(prefetch=False), dict(expert_wise=False), dict(eviction="lookahead"),
                                      dict(eviction="popularity"), dict(prefetch_victims="stale", resident_experts_per_layer=6),
                                      dict(k=16, initial_chunk=1), dict(verify_wave=1, load_ahead_layers=2), dict(verify_wave=-1),
-                                     dict(load_ahead_layers=0, copy_streams=2)])
+                                     dict(load_ahead_layers=0, copy_streams=2),
+                                     dict(verify_spare_slots=True, spare_rows=3)])
 def test_ablations_stay_lossless(variant):
     model = fresh("tiny-qwen")
     config = specter.SpecterConfig(**{"k": 6, "resident_experts_per_layer": 2, **variant})
@@ -153,6 +154,8 @@ def test_residual_transfer_gives_the_same_tokens_with_fewer_bytes(tiny_name, dty
         runs[residual] = (specter.SpecterEngine(model, config).generate(prompt(), NEW), model)
     (raw, _), (residual, model) = runs[False], runs[True]
     assert residual.token_ids == raw.token_ids
+    wide = specter.SpecterConfig(k=4, resident_experts_per_layer=2, residual_transfer=True, verify_spare_slots=True)
+    assert specter.SpecterEngine(model, wide).generate(prompt(), NEW).token_ids == raw.token_ids  # waves of 3
     loads = residual.stats["misses"] + residual.stats["wasted_loads"] + residual.stats["prefetch_loads"]
     assert loads == raw.stats["misses"] + raw.stats["wasted_loads"] + raw.stats["prefetch_loads"]
     assert residual.stats["residual_decodes"] == loads > 0 and raw.stats["residual_decodes"] == 0

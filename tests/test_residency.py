@@ -18,14 +18,16 @@ from specter.verify.residency import ResidencyManager, VerifyOptions, wave_size
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 3, 8, 16, 8, 2
 
 
-def make_runtime(slots: int, seed: int, **options) -> tuple[ResidencyManager, HostExpertStore]:
-    """A residency manager over a random host store (no spare rows, LRU), with VerifyOptions(**options)."""
+def make_runtime(slots: int, seed: int, spare_rows: int = 0, spare_slots: bool = False,
+                 **options) -> tuple[ResidencyManager, HostExpertStore]:
+    """A residency manager over a random host store (LRU; no spare rows unless asked), with VerifyOptions(**options)."""
     gen = torch.Generator().manual_seed(seed)
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
         store.put_layer(layer, torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen),
                         torch.randn(EXPERTS, HIDDEN, INTER, generator=gen))
-    cache = ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")), LRUPolicy(), 0)
+    cache = ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")), LRUPolicy(), spare_rows,
+                        spare_slots=spare_slots)
     return ResidencyManager(cache, RoutingCounts(), VerifyOptions(**options), MoEWorkspace()), store
 
 
@@ -74,6 +76,31 @@ def test_random_plans_give_the_reference_output_and_consistent_counters(slots):
     copies = cache.streams.stats()["h2d_copies"]
     assert copies == cache.counters.misses + cache.counters.wasted_loads  # each copy: a miss or a wrong guess
     assert cache.counters.loads_ahead > 0 or slots == 1
+
+
+@pytest.mark.parametrize("slots, spare_rows", [(1, 3), (2, 2)])
+def test_spare_slots_stream_wider_waves_with_the_reference_output(slots, spare_rows):
+    """verify_spare_slots: waves of half of slots + spare rows, every output the reference's, every slot released,
+    and each layer back to its own slots (the lent rows with the spares) once it is done."""
+    rng, (manager, store) = random.Random(7), make_runtime(slots, 7, spare_rows, spare_slots=True)
+    cache, sizes = manager.cache, []
+    run_wave = manager._run_wave
+    manager._run_wave = lambda step, wave: (sizes.append(len(wave)), run_wave(step, wave))
+    for _ in range(20):
+        tokens = rng.randint(2, 6)
+        hidden, weights = torch.randn(tokens, HIDDEN), torch.rand(tokens, TOP_K).softmax(-1)
+        routing = [torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]) for _ in range(LAYERS)]
+        plan = plan_of({layer: random_plan(rng, set(routing[layer].reshape(-1).tolist())) for layer in range(LAYERS)})
+        with manager.verifying(plan):
+            for layer in range(LAYERS):
+                out = manager(layer_module(layer), hidden, routing[layer], weights)
+                weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+                ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+                slots_of = cache.layers[layer]
+                assert all(p == 0 for p in slots_of.protected)
+                assert sum(row is not None for row in slots_of.rows) <= slots
+    assert max(sizes) == max(1, (slots + spare_rows) // 2) and len(cache.spares) <= spare_rows
 
 
 def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():

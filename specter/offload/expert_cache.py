@@ -23,6 +23,7 @@ class LayerSlots:
 
     size: int
     first_row: int = 0  # the pool row of slot 0 before any load (the slots start on consecutive rows)
+    own: int | None = None  # slots with a pool row at rest (None: all); the others hold spare rows lent to a verify
     rows: list = field(default_factory=list)  # slot -> pool row holding its expert
     expert_of: list = field(default_factory=list)  # slot -> expert id or None
     slot_of: dict = field(default_factory=dict)  # expert id -> slot
@@ -38,15 +39,20 @@ class LayerSlots:
         self.clear()
 
     def clear(self) -> None:
-        n = self.size
-        self.rows = list(range(self.first_row, self.first_row + n))
+        n, own = self.size, self.size if self.own is None else self.own
+        self.rows = list(range(self.first_row, self.first_row + own)) + [None] * (n - own)  # None: no row yet
         self.expert_of, self.slot_of = [None] * n, {}
         self.lru = OrderedDict((s, None) for s in range(n))
         self.protected, self.ready, self.last_use, self.loaded_by = [0] * n, [None] * n, [None] * n, [None] * n
         self.released, self.read_in = [0] * n, [-1] * n
 
     def unprotected_lru(self) -> list[int]:
-        return [s for s in self.lru if not self.protected[s]]
+        """Unprotected slots with a row, least recently used first (what victim policies choose from)."""
+        return [s for s in self.lru if not self.protected[s] and self.rows[s] is not None]
+
+    def rowless(self) -> int | None:
+        """A slot without a row (it borrows a spare when loaded), or None."""
+        return next((s for s in self.lru if self.rows[s] is None), None)
 
     def read_since(self, window: int) -> frozenset:
         """Resident experts a verification of window `window` or later has read."""
@@ -96,7 +102,7 @@ class NoFreeSlot(RuntimeError):
 
 
 class ExpertCache:
-    """Exactly `slots_per_layer` FP slots per MoE layer, allocated once on the device.
+    """`slots_per_layer` FP slots per MoE layer, allocated once on the device.
 
     `acquire` makes an expert resident (loading it on a miss) and protects its slot; `release`
     records the last-use event and unprotects it. A copy overwrites a device row only after the
@@ -108,12 +114,16 @@ class ExpertCache:
     by all layers, as Mixtral-Offloading's staging buffers), a load lands in the spare row released
     longest ago and the victim's row becomes a spare (a pointer swap): the copy waits for that spare's
     last readers, not for the kernels still reading the victim, so the copy stream need not idle while
-    a verify wave computes. A layer still holds exactly `slots_per_layer` experts.
+    a verify wave computes. A layer still holds `slots_per_layer` experts at most.
+
+    With `spare_slots`, each layer also has `spare_rows` slots without a row of their own: a verify layer streams
+    through them too (`load_if_free` lends each a spare row while one is left), and `return_lent_rows` gives the
+    rows back when the layer is done (its least recently used experts beyond `slots_per_layer` evicted).
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
                  streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_programs: int = 0,
-                 decode_group: int = 1, prefetch_victims: str = "any") -> None:
+                 decode_group: int = 1, prefetch_victims: str = "any", spare_slots: bool = False) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
@@ -121,7 +131,7 @@ class ExpertCache:
         self.decode_launcher = None if residuals is None else residuals.launcher(decode_programs)
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
                     (decode_programs, decode_group) if residuals is not None else None,
-                    prefetch_victims)  # offload_experts compares
+                    prefetch_victims, spare_slots)  # offload_experts compares
         self.prefetch_victims = prefetch_victims  # "stale": a prefetch keeps what the previous window read
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
@@ -130,7 +140,8 @@ class ExpertCache:
         rows = store.num_layers * slots_per_layer + spare_rows
         self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
         self.pool_rows = self.pool.unbind(0)  # each row's view, made once (a load indexes no tensor)
-        self.layers = [LayerSlots(slots_per_layer, first_row=layer * slots_per_layer)
+        size = slots_per_layer + (spare_rows if spare_slots else 0)
+        self.layers = [LayerSlots(size, first_row=layer * slots_per_layer, own=slots_per_layer)
                        for layer in range(store.num_layers)]
         self.reset()
 
@@ -178,10 +189,34 @@ class ExpertCache:
     def resident_experts(self, layer: int) -> set:
         return set(self.layers[layer].slot_of)
 
+    @property
+    def stream_slots(self) -> int:
+        """Slots a verify layer streams through: its own, and the spare rows with `spare_slots`."""
+        return self.layers[0].size if self.layers else self.slots_per_layer
+
     def load_if_free(self, layer: int, expert: int) -> int | None:
-        """`load` into the policy's victim slot, or None (nothing started) if every slot is protected."""
-        slot = self.policy.stream_victim(layer, self.layers[layer])
+        """`load` into a slot without a row while a spare row is left to lend it, else into the policy's victim
+        slot; None (nothing started) if every slot is protected."""
+        slots = self.layers[layer]
+        slot = slots.rowless() if self.spares else None
+        if slot is None:
+            slot = self.policy.stream_victim(layer, slots)
         return None if slot is None else self.load(layer, expert, slot)
+
+    def return_lent_rows(self, layer: int) -> None:
+        """A verify layer is done: its unprotected slots, least recently used first, give the rows lent to it back
+        to the spares until it holds `slots_per_layer` rows (their experts evicted; no-op without spare slots)."""
+        slots = self.layers[layer]
+        excess = sum(row is not None for row in slots.rows) - self.slots_per_layer
+        for slot in slots.unprotected_lru()[:max(0, excess)]:
+            expert = slots.expert_of[slot]
+            if expert is not None:
+                del slots.slot_of[expert]
+                self.counters.evictions += 1
+                self.evicted_by[layer, expert] = "verify"
+            self.spares.append(SpareRow(slots.rows[slot], slots.last_use[slot], slots.ready[slot]))
+            slots.rows[slot] = slots.expert_of[slot] = slots.loaded_by[slot] = None
+            slots.last_use[slot] = slots.ready[slot] = None
 
     def acquire(self, layer: int, expert: int) -> int:
         """Slot holding `expert` (loaded on a miss), protected until `release`; counts a hit or a miss."""
@@ -350,6 +385,7 @@ class ExpertCache:
         if not self.spares:
             return own
         spare = self.spares.popleft()
-        self.spares.append(own)
+        if own.row is not None:  # a slot without a row (`spare_slots`) keeps the spare until `return_lent_rows`
+            self.spares.append(own)
         slots.rows[slot], slots.last_use[slot] = spare.row, spare.last_use
         return spare

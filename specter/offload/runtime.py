@@ -37,6 +37,7 @@ class OffloadConfig:
     decode_group: int = config_default("residual_decode_group")
     copy_issue: str = config_default("copy_issue")  # how copies are issued (not part of the cache)
     group_copies: bool = config_default("residual_group_copies")  # a decode group's copies issued together
+    spare_slots: bool = config_default("verify_spare_slots")  # verify layers stream through the spare rows too
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
@@ -44,12 +45,12 @@ class OffloadConfig:
                                config.host_experts, config.host_expert_threads)
         return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, config.prefetch_victims, verify,
                    config.residual_transfer, config.residual_decode_programs, config.residual_decode_group,
-                   config.copy_issue, config.residual_group_copies)
+                   config.copy_issue, config.residual_group_copies, config.verify_spare_slots)
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once)."""
         return offload_experts(model, self.slots, self.policy, self.spare_rows, self.residual, self.decode_programs,
-                               self.decode_group, self.prefetch_victims)
+                               self.decode_group, self.prefetch_victims, self.spare_slots)
 
 
 @dataclass
@@ -139,14 +140,16 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
                     residual: bool = config_default("residual_transfer"),
                     decode_programs: int = config_default("residual_decode_programs"),
                     decode_group: int = config_default("residual_decode_group"),
-                    prefetch_victims: str = config_default("prefetch_victims")) -> OffloadRuntime:
+                    prefetch_victims: str = config_default("prefetch_victims"),
+                    spare_slots: bool = config_default("verify_spare_slots")) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
     slot count, policy, number of spare rows or transfer format builds a new cache over the same store
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
     on first use and kept), decoded by launches of at most `decode_programs` programs (0: no cap), each
-    for up to `decode_group` consecutive loads of one layer. `prefetch_victims`: SpecterConfig's.
+    for up to `decode_group` consecutive loads of one layer. `prefetch_victims`, `spare_slots`
+    (verify_spare_slots): SpecterConfig's.
     The runtime's own residency manager (default verification options) becomes every layer's target
     executor.
     """
@@ -154,7 +157,8 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
     runtime = model.offload
     cache = None if runtime is None else runtime.cache
-    key = (slots, policy, spare_rows, residual, (decode_programs, decode_group) if residual else None, prefetch_victims)
+    key = (slots, policy, spare_rows, residual, (decode_programs, decode_group) if residual else None, prefetch_victims,
+           spare_slots)
     if cache is not None and cache.key == key:
         return runtime
     if model.host_store is None:
@@ -170,7 +174,7 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
         release_device_memory()
     routing = RoutingCounts()
     cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows,
-                        residuals if residual else None, decode_programs, decode_group, prefetch_victims)
+                        residuals if residual else None, decode_programs, decode_group, prefetch_victims, spare_slots)
     residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
     host_runner = None if runtime is None else runtime.host_runner
     runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals, host_runner)

@@ -153,6 +153,7 @@ class ResidencyManager:
         self._stream(step, [], unplanned)
         if on_host is not None:
             self._finish_host_experts(step, on_host, len(host & set(routed)))
+        cache.return_lent_rows(layer)  # spare rows lent to this layer's waves (`spare_slots`) serve the loads ahead
         for ahead in range(layer + 1, layer + 1 + self.options.ahead_layers):
             self._load_ahead(ahead)
         cache.start_loads()  # the loads ahead cross while the host runs the next layer's attention
@@ -222,7 +223,7 @@ class ResidencyManager:
         layer's worth of slots. A wave never mixes loaded experts with ones still in flight: the copies
         into the slots it frees would otherwise wait for the slowest of its copies.
         """
-        layer, size = step.module.moe_layer, wave_size(self.options.wave, self.cache.slots_per_layer)
+        layer, size = step.module.moe_layer, wave_size(self.options.wave, self.cache.stream_slots)
         queue = deque(current)
         queue.extend(self._load_wave(layer, pending))
         while queue:
