@@ -236,8 +236,8 @@ def build_systems(model, slots: int, ks: list[int], options: BenchOptions) -> tu
     """[(label, system)] to measure, and {variant label: the label of the Specter it is compared with}."""
     chunk = {} if options.initial_chunk is None else {"initial_chunk": options.initial_chunk}
 
-    def config(k_i: int, **settings) -> specter.SpecterConfig:
-        return specter.SpecterConfig(k=k_i, resident_experts_per_layer=slots, **{**chunk, **settings})
+    def config(k_i: int, **settings) -> specter.SpecterConfig:  # a variant may set its own slots (same memory: spares)
+        return specter.SpecterConfig(k=k_i, **{"resident_experts_per_layer": slots, **chunk, **settings})
 
     systems, base_of = [] if options.quick else [("target_only_offload", TargetOnly(model, slots))], {}
     for k_i in ks:

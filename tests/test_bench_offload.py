@@ -141,3 +141,14 @@ def test_measure_interleaved_gives_each_variant_its_ratio_to_specter(capsys):
     assert "interleaved" in out and f"{variant['tpot_over_specter']:.3f}x specter's TPOT" in out
     bench.print_table([dict(row, k=3) for row in rows])
     assert f"{variant['tpot_over_specter']:.3f}x Specter's TPOT" in capsys.readouterr().out
+
+
+def test_a_variant_may_trade_slots_for_spare_rows():
+    """The same rows as 2 slots + 4 spares on tiny's 3 layers: 1 slot + 7 spares, lent to each verify layer."""
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    options = bench.BenchOptions(new_tokens=8, quick=True,
+                                 variants=("resident_experts_per_layer=1,spare_rows=7,verify_spare_slots=true",))
+    (_, base), (_, variant) = bench.build_systems(model, 2, [3], options)[0]
+    assert (base.config.resident_experts_per_layer, base.config.spare_rows) == (2, 4)
+    assert (variant.config.resident_experts_per_layer, variant.config.spare_rows) == (1, 7)
+    assert variant.generate(prompt(), 8).token_ids == base.generate(prompt(), 8).token_ids
