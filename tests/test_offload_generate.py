@@ -165,19 +165,21 @@ def test_residual_transfer_gives_the_same_tokens_with_fewer_bytes(tiny_name, dty
 
 
 def test_residual_transfer_keeps_batches_lossless():
-    """A batch decodes the same tokens with residual loads as with raw copies (bf16: a batch's GEMMs may round
-    otherwise than one request's on some CPUs, so each side is compared with its own shape)."""
+    """A batch decodes the same tokens with residual loads as with raw copies, also with the spare rows lent to the
+    verify layers (bf16: a batch's GEMMs may round otherwise than one request's on some CPUs, so each side is
+    compared with its own shape)."""
     model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
     prompts = [prompt().tolist()[0], prompt("def f(x):").tolist()[0]]
     runs = {}
-    for residual in (False, True):
+    for residual, spare_slots in ((False, False), (True, False), (True, True)):
         engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2,
-                                                                    residual_transfer=residual))
-        runs[residual] = ([r.token_ids for r in engine.generate(prompts, 12)],
-                          [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts],
-                          engine.generate(prompts, 12)[0].stats["residual_decodes"])
-    assert runs[True][:2] == runs[False][:2]
-    assert runs[True][2] > 0 and runs[False][2] == 0
+                                                                    residual_transfer=residual,
+                                                                    verify_spare_slots=spare_slots))
+        runs[residual, spare_slots] = ([r.token_ids for r in engine.generate(prompts, 12)],
+                                       [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts],
+                                       engine.generate(prompts, 12)[0].stats["residual_decodes"])
+    assert runs[True, False][:2] == runs[False, False][:2] == runs[True, True][:2]  # spare slots: waves of 3
+    assert runs[True, False][2] > 0 and runs[False, False][2] == 0
 
 
 def test_residual_transfer_needs_16_bit_experts():
