@@ -121,6 +121,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "residual_decodes_per_token": mean("residual_decodes") / mean("generated_tokens"),
         "upload_wait_ms_per_token": mean("upload_wait_ms") / mean("generated_tokens"),
         "stream_waits_skipped_per_token": mean("stream_waits_skipped") / mean("generated_tokens"),
+        "verify_waves_per_token": mean("verify_waves") / mean("generated_tokens"),
         "host_expert_runs_per_token": mean("host_expert_runs") / mean("generated_tokens"),
         "host_expert_mb_per_token": mean("host_expert_bytes") / mean("generated_tokens") / 1e6,
         "host_expert_cost": runs[0].get("host_expert_cost"),
@@ -286,7 +287,8 @@ def row_line(row: dict) -> str:
             line += (f"; waiting for a slot's reader {row['copy_gap_slot_ms_per_token']:.2f}, "
                      f"for the host {row['copy_gap_host_ms_per_token']:.2f}")
         line += (f"; host ms/token in MoE layers {row['moe_host_ms_per_token']:.2f} (loads "
-                 f"{row['moe_host_load_ms_per_token']:.2f}, waves {row['moe_host_wave_ms_per_token']:.2f}); decode "
+                 f"{row['moe_host_load_ms_per_token']:.2f}, waves {row['moe_host_wave_ms_per_token']:.2f}: "
+                 f"{row['verify_waves_per_token']:.1f}/token); decode "
                  f"launches {row['residual_decodes_per_token']:.1f}/token, group launches' host ms "
                  f"{row['residual_group_host_ms_per_token']:.2f}, upload ring waits "
                  f"{row['upload_wait_ms_per_token']:.2f}; stream waits spared "

@@ -24,6 +24,7 @@ def test_summary_rows_line_and_table(capsys):
     assert all(row[f"copy_idle_{p}_ms_per_token"] >= 0 for p in ("draft", "verify", "between"))
     assert "TPOT / I/O floor" in bench.row_line(row) and "copy idle ms/token" in bench.row_line(row)
     assert "host ms/token in MoE layers" in bench.row_line(row) and "(loads " in bench.row_line(row)
+    assert row["verify_waves_per_token"] > 0 and f"{row['verify_waves_per_token']:.1f}/token); decode" in bench.row_line(row)
     assert row["residual_group_host_ms_per_token"] == 0 == row["upload_wait_ms_per_token"]  # CPU: no groups, rings
     assert "decode launches 0.0/token, group launches' host ms 0.00, upload ring waits 0.00; stream waits spared " \
         "0.0/token" in bench.row_line(row)  # CPU: no stream waits at all

@@ -88,6 +88,7 @@ class ResidencyManager:
         self.loaded_ahead: dict[int, set] = {}  # layer -> planned experts loaded while the previous layer ran
         self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
         self.host_load_ms = self.host_wave_ms = 0.0  # of it: issuing loads, and launching waves
+        self.waves = 0  # verify waves launched (slot-kernel calls)
         self.host_expert_runs = self.host_expert_pairs = 0  # (layer, expert)s and (token, slot) rows run on the CPU
         self.host_expert_bytes = 0  # what their rows move over PCIe: hidden rows to the host, outputs back
 
@@ -252,6 +253,7 @@ class ResidencyManager:
             return
         start = time.perf_counter()
         layer, cache = step.module.moe_layer, self.cache
+        self.waves += 1
         cache.streams.wait_all([cache.ready_event(layer, slot) for _, slot in wave])
         step.waves(cache.streams.upload_map(step.module.num_experts, [(e, cache.row(layer, slot)) for e, slot in wave]))
         cache.release_all(layer, [slot for _, slot in wave])
@@ -281,6 +283,7 @@ class ResidencyManager:
             "verify_host_wait_ms": self.host_wait_ms,  # of it: waiting for routers' top-k
             "verify_host_load_ms": self.host_load_ms,  # issuing expert loads (a grouped decode's launch included)
             "verify_host_wave_ms": self.host_wave_ms,  # launching verify waves
+            "verify_waves": self.waves,
             "host_expert_runs": self.host_expert_runs,
             "host_expert_pairs": self.host_expert_pairs,
             "host_expert_bytes": self.host_expert_bytes,
