@@ -136,7 +136,7 @@ class ExpertCache:
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
                               for layer in range(store.num_layers)] if grouped else None
-        self.policy, self.spare_rows = policy, spare_rows
+        self.policy, self.spare_rows, self.spare_slots = policy, spare_rows, spare_slots
         rows = store.num_layers * slots_per_layer + spare_rows
         self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
         self.pool_rows = self.pool.unbind(0)  # each row's view, made once (a load indexes no tensor)
@@ -198,7 +198,7 @@ class ExpertCache:
         """`load` into a slot without a row while a spare row is left to lend it, else into the policy's victim
         slot; None (nothing started) if every slot is protected."""
         slots = self.layers[layer]
-        slot = slots.rowless() if self.spares else None
+        slot = slots.rowless() if self.spare_slots and self.spares else None
         if slot is None:
             slot = self.policy.stream_victim(layer, slots)
         return None if slot is None else self.load(layer, expert, slot)
