@@ -11,8 +11,9 @@ own routing (the draft predicted it all), so almost every routed expert is strea
 
     python scripts/bench_host_path.py [--windows 20] [--variants wave=-1 group_copies=true,wave=-1]
 
-A variant sets `HostPathOptions` fields (wave, group, group_copies, cudart, spare_slots, slots, spare_rows) as key=value pairs
-joined by commas; each runs in the same process after the defaults, on the same windows.
+A variant sets `HostPathOptions` fields (wave, group, group_copies, cudart, spare_slots, pooled, slots,
+spare_rows, staging_rows) as key=value pairs joined by commas; each runs in the same process after the
+defaults, on the same windows.
 """
 from __future__ import annotations
 
@@ -124,7 +125,9 @@ class FakeStream:
 class HostPathOptions:
     """The stack and the runtime's switches: verify_wave (`wave`), residual_decode_group (`group`),
     residual_group_copies (`group_copies`), copy_issue=cudart (`cudart`), verify_spare_slots (`spare_slots`),
-    resident experts per layer (`slots`), spare_rows."""
+    verify_pooled_slots (`pooled`), resident experts per layer (`slots`), spare_rows, and the residual staging
+    rows (`staging_rows`: as many as STAGING_BYTES holds of dsv2's longest calibrated blob, about 12 MB; the
+    runtime caps a decode group there)."""
 
     layers: int = 26
     experts: int = 64
@@ -137,16 +140,20 @@ class HostPathOptions:
     group_copies: bool = False
     cudart: bool = False  # copy_issue=cudart: each copy one runtime call (faked), no stream switches
     spare_slots: bool = False  # verify_spare_slots: a verify layer streams through the spare rows too
+    pooled: int = 0  # verify_pooled_slots: slots of each layer moved to the spare rows (spare slots implied)
+    staging_rows: int = 10
 
 
 class FakeResiduals:
     """What ExpertCache reads of a ResidualExpertStore: a small blob per expert, a decode group launch that
     only counts itself."""
 
+    max_blob_words = 48
+
     def __init__(self, options: HostPathOptions, calls: Counter) -> None:
         self.blobs = [[torch.full((40 + expert % 8,), expert, dtype=torch.int32) for expert in range(options.experts)]
                       for _ in range(options.layers)]
-        self.max_blob_words, self.mean_blob_bytes, self.calls = 48, 176.0, calls
+        self.mean_blob_bytes, self.calls = 176.0, calls
 
     def blob(self, layer: int, expert: int) -> torch.Tensor:
         return self.blobs[layer][expert]
@@ -167,9 +174,10 @@ def build(options: HostPathOptions, fake: FakeCuda) -> ResidencyManager:
     for layer in range(options.layers):
         store.put_layer(layer, torch.zeros(options.experts, 16, 16, dtype=torch.float16),
                         torch.zeros(options.experts, 16, 8, dtype=torch.float16))
-    cache = ExpertCache(store, options.slots, torch.device("cpu"), fake.device_streams(), LRUPolicy(),
-                        options.spare_rows, FakeResiduals(options, fake.calls), 0, options.group,
-                        spare_slots=options.spare_slots)
+    pooled = options.pooled  # verify_pooled_slots: as OffloadConfig.attach moves them
+    cache = ExpertCache(store, options.slots - pooled, torch.device("cpu"), fake.device_streams(), LRUPolicy(),
+                        options.spare_rows + pooled * options.layers, FakeResiduals(options, fake.calls), 0,
+                        options.group, spare_slots=options.spare_slots or pooled > 0)
     cache.streams.group_copies = options.group_copies
     if options.cudart:
         cache.streams.h2d = lambda dst, src, stream: dst.copy_(src)
@@ -219,7 +227,7 @@ def measure(options: HostPathOptions, work: list[tuple], repeats: int = 3) -> di
     two kernel launches of a wave, each decode launch and each of their uploads, a copy and a record); us per
     load and per wave (the manager's own split). The fastest of `repeats` passes over `work` after a warm-up."""
     fake, best = FakeCuda(), None
-    with fake.installed(), attributes_set([residency_module], slot_moe_rows_reference=_counted_wave(fake.calls)):
+    with faked(fake, options):
         manager = build(options, fake)
         verify(manager, work[:1], options)
         for _ in range(repeats):
@@ -248,12 +256,21 @@ def measure(options: HostPathOptions, work: list[tuple], repeats: int = 3) -> di
 def profile(options: HostPathOptions, work: list[tuple], functions: int) -> None:
     """One pass over `work` under cProfile: the `functions` of most own time, printed."""
     fake = FakeCuda()
-    with fake.installed(), attributes_set([residency_module], slot_moe_rows_reference=_counted_wave(fake.calls)):
+    with faked(fake, options):
         manager = build(options, fake)
         verify(manager, work[:1], options)
         profiler = cProfile.Profile()
         profiler.runcall(verify, manager, work, options)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(functions)
+
+
+@contextmanager
+def faked(fake: FakeCuda, options: HostPathOptions):
+    """`fake` installed, the waves' kernel counted, and the staging buffer sized to `options.staging_rows` blobs."""
+    staging = options.staging_rows * FakeResiduals.max_blob_words * 4  # int32 words
+    with fake.installed(), attributes_set([residency_module], slot_moe_rows_reference=_counted_wave(fake.calls)), \
+            attributes_set([streams_module], STAGING_BYTES=staging):
+        yield
 
 
 def _counted_wave(calls: Counter):

@@ -52,6 +52,12 @@ class SpecterConfig:
       slots + spare_rows, so fewer waves and decode launches per layer in the same memory. Loads into the
       layer's own slots then go into their victims' rows while the spares are lent; with residual_transfer
       that costs nothing, since the blobs cross into staging rows and only the decode waits for the row.
+    verify_pooled_slots: N of each MoE layer's resident slots join the spare rows instead, lent to the verify
+      layers as with verify_spare_slots (which N > 0 implies). In the same memory, each layer keeps
+      resident_experts_per_layer - N slots and spare_rows + N x layers are shared, so the layer being verified
+      streams through many more rows: fewer, wider waves and decode groups per layer, for a few more loads
+      (each layer caches fewer experts between windows). With N >= resident_experts_per_layer the system
+      reports itself unavailable (each layer keeps a slot of its own).
     cuda_graph: on CUDA with greedy decoding, replay the draft step as a CUDA graph over a static KV
       cache (eager decoding if capture fails; the reason is in the stats as draft_graph).
     draft_compile: torch.compile the draft step before capturing it (fused kernels for the dense part of
@@ -115,6 +121,7 @@ class SpecterConfig:
     copy_streams: int = 1
     spare_rows: int = 4
     verify_spare_slots: bool = False
+    verify_pooled_slots: int = 0
     cuda_graph: bool = True
     draft_compile: bool = False
     draft_ahead: bool = False
@@ -155,6 +162,7 @@ class SpecterConfig:
         if type(self.copy_streams) is not int or self.copy_streams not in (1, 2):
             raise SpecterError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         _integer(self, "spare_rows", 0)
+        _integer(self, "verify_pooled_slots", 0)
         _integer(self, "draft_decode_pairs", 0)
         _integer(self, "draft_ahead_in_flight", 0)
         _integer(self, "residual_decode_programs", 0)

@@ -55,7 +55,7 @@ class SpecterEngine:
         self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()
         slots = self.config.resident_experts_per_layer
         self.offload_config = None if slots is None else OffloadConfig.of(self.config)
-        self.unavailable = residual_transfer_problem(self.offload_config, model.dtype)
+        self.unavailable = offload_problem(self.offload_config, model.dtype)
         self.planner = NoPrefetch() if self.unavailable else self._planner()
         self.session = None  # the OffloadSession of the running call
         self.ahead_problem = draft_ahead_problem(self.config, model) if self.config.draft_ahead else "off"
@@ -269,6 +269,10 @@ def _cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
-def residual_transfer_problem(offload_config: OffloadConfig | None, dtype: torch.dtype) -> str:
-    """Why this engine cannot run with residual transfer ("" when it can, or when it does not use it)."""
-    return "" if offload_config is None or not offload_config.residual else residual_dtype_problem(dtype)
+def offload_problem(offload_config: OffloadConfig | None, dtype: torch.dtype) -> str:
+    """Why this engine cannot run with its offload options ("" when it can, or when it does not offload): residual
+    transfer on experts that are not 16-bit, or more pooled slots than the layers have."""
+    if offload_config is None:
+        return ""
+    residual = residual_dtype_problem(dtype) if offload_config.residual else ""
+    return residual or offload_config.pooled_problem()

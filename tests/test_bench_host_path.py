@@ -41,3 +41,22 @@ def test_the_command_prints_a_row_per_variant_and_rejects_unknown_options(capsys
     assert bench.main(["--windows", "1", "--variants", "waves=2"]) == 2
     assert "unknown or empty option 'waves=2'" in capsys.readouterr().err
     assert bench.parse_variant("group_copies=yes,slots=8") == {"group_copies": True, "slots": 8}
+
+
+def test_pooled_slots_are_the_same_rows_as_fewer_slots_and_more_spares_lent(work):
+    """pooled=2 at 4 slots and 4 spare rows verifies exactly as 2 slots, 4 + 2 x layers spare rows lent."""
+    layers = bench.HostPathOptions().layers
+    pooled, by_hand = (bench.measure(bench.HostPathOptions(**fields), work, repeats=1)
+                       for fields in ({"pooled": 2}, {"slots": 2, "spare_rows": 4 + 2 * layers, "spare_slots": True}))
+    keys = ("loads_per_layer", "waves_per_layer", "decode_launches_per_layer", "cuda_calls_per_layer")
+    assert [pooled[key] for key in keys] == [by_hand[key] for key in keys]
+    plain = bench.measure(bench.HostPathOptions(), work, repeats=1)
+    assert pooled["waves_per_layer"] < 0.25 * plain["waves_per_layer"]
+
+
+def test_a_decode_group_never_outgrows_the_staging_rows(work):
+    """The staging ring caps a group: with 4 staging rows, groups of 8 launch as often as groups of 4."""
+    rows = [bench.measure(bench.HostPathOptions(group=group, staging_rows=staging, wave=-1, pooled=2), work, repeats=1)
+            for group, staging in ((8, 4), (4, 4), (8, 16))]
+    assert rows[0]["decode_launches_per_layer"] == rows[1]["decode_launches_per_layer"]
+    assert rows[2]["decode_launches_per_layer"] < rows[0]["decode_launches_per_layer"]

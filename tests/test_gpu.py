@@ -109,13 +109,14 @@ def test_half_precision_offloaded_greedy_equals_target_only_on_cuda(name, dtype)
 def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
     """The Triton decode rebuilds every slot bit for bit: the same tokens and loads as raw copies, fewer bytes;
     so does one launch per group of a layer's loads (residual_decode_group), with fewer launches, and with the
-    group's copies issued together at its launch (residual_group_copies), and with the spare rows lent to each
-    verify layer's waves (verify_spare_slots)."""
+    group's copies issued together at its launch (residual_group_copies), with the spare rows lent to each
+    verify layer's waves (verify_spare_slots), and with a slot of each layer pooled with them (verify_pooled_slots)."""
     model = specter.load_model(name, device="cuda", dtype=dtype)
     options = [dict(residual_transfer=False), dict(residual_transfer=True, residual_decode_group=1),
                dict(residual_transfer=True, residual_decode_group=4),
                dict(residual_transfer=True, residual_decode_group=4, residual_group_copies=True),
-               dict(residual_transfer=True, residual_decode_group=4, verify_spare_slots=True)]
+               dict(residual_transfer=True, residual_decode_group=4, verify_spare_slots=True),
+               dict(residual_transfer=True, residual_decode_group=4, verify_pooled_slots=1, verify_wave=-1)]
     runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, **o))
             .generate(prompt(), 32) for o in options]
     assert all(run.token_ids == runs[0].token_ids for run in runs[1:])

@@ -1,4 +1,6 @@
 """Offloaded decoding: lossless under the tightest budget, ablations, stats, exact slot memory."""
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -37,7 +39,8 @@ def test_greedy_with_offload_equals_hf_generate(tiny_name, slots):
                                      dict(eviction="popularity"), dict(prefetch_victims="stale", resident_experts_per_layer=6),
                                      dict(k=16, initial_chunk=1), dict(verify_wave=1, load_ahead_layers=2), dict(verify_wave=-1),
                                      dict(load_ahead_layers=0, copy_streams=2),
-                                     dict(verify_spare_slots=True, spare_rows=3)])
+                                     dict(verify_spare_slots=True, spare_rows=3),
+                                     dict(verify_pooled_slots=2, resident_experts_per_layer=3, verify_wave=-1)])
 def test_ablations_stay_lossless(variant):
     model = fresh("tiny-qwen")
     config = specter.SpecterConfig(**{"k": 6, "resident_experts_per_layer": 2, **variant})
@@ -74,6 +77,24 @@ def test_exactly_the_configured_slots_live_on_the_device():
     assert runtime.store.total_bytes == model.num_moe_layers * model.num_experts * runtime.store.expert_bytes
     offload_experts(model, 3)  # another budget: a new cache over the same store
     assert model.offload.cache.slots_per_layer == 3 and model.offload.store is runtime.store
+
+
+def test_pooled_slots_move_rows_from_the_layers_to_the_spares_in_the_same_memory():
+    """verify_pooled_slots=N: N slots of each layer become shared spare rows lent to the verify layers (the pool
+    keeps its rows); N at or above the slots per layer makes the engine unavailable, with the reason."""
+    model = fresh("tiny-qwen")
+    layers, config = model.num_moe_layers, specter.SpecterConfig(k=4, resident_experts_per_layer=3, spare_rows=2)
+    specter.SpecterEngine(model, config)
+    rows = model.offload.cache.pool.shape[0]
+    engine = specter.SpecterEngine(model, dataclasses.replace(config, verify_pooled_slots=2))
+    cache = model.offload.cache
+    assert (cache.slots_per_layer, cache.spare_rows, cache.spare_slots) == (1, 2 + 2 * layers, True)
+    assert cache.pool.shape[0] == rows == 3 * layers + 2 and engine.available() == (True, "")
+    out = engine.generate(prompt(), 8)
+    assert out.stats["resident_experts_per_layer"] == 1 and out.token_ids == hf_greedy("tiny-qwen", prompt(), 8)
+    full = specter.SpecterEngine(model, dataclasses.replace(config, verify_pooled_slots=3))
+    assert full.available() == (False, "verify_pooled_slots=3 leaves no slot of its own per layer at 3 resident "
+                                       "experts per layer")
 
 
 def test_stats_of_an_offloaded_run():
@@ -166,20 +187,22 @@ def test_residual_transfer_gives_the_same_tokens_with_fewer_bytes(tiny_name, dty
 
 def test_residual_transfer_keeps_batches_lossless():
     """A batch decodes the same tokens with residual loads as with raw copies, also with the spare rows lent to the
-    verify layers (bf16: a batch's GEMMs may round otherwise than one request's on some CPUs, so each side is
+    verify layers and with slots pooled with them (bf16: a batch's GEMMs may round otherwise than one request's on some CPUs, so each side is
     compared with its own shape)."""
     model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
     prompts = [prompt().tolist()[0], prompt("def f(x):").tolist()[0]]
+    options = {"raw": {}, "residual": dict(residual_transfer=True),
+               "spare": dict(residual_transfer=True, verify_spare_slots=True),  # waves of 3
+               "pooled": dict(residual_transfer=True, resident_experts_per_layer=3, verify_pooled_slots=2)}
     runs = {}
-    for residual, spare_slots in ((False, False), (True, False), (True, True)):
-        engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2,
-                                                                    residual_transfer=residual,
-                                                                    verify_spare_slots=spare_slots))
-        runs[residual, spare_slots] = ([r.token_ids for r in engine.generate(prompts, 12)],
-                                       [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts],
-                                       engine.generate(prompts, 12)[0].stats["residual_decodes"])
-    assert runs[True, False][:2] == runs[False, False][:2] == runs[True, True][:2]  # spare slots: waves of 3
-    assert runs[True, False][2] > 0 and runs[False, False][2] == 0
+    for name, option in options.items():
+        engine = specter.SpecterEngine(model, specter.SpecterConfig(**{"k": 4, "resident_experts_per_layer": 2,
+                                                                       **option}))
+        runs[name] = ([r.token_ids for r in engine.generate(prompts, 12)],
+                      [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts],
+                      engine.generate(prompts, 12)[0].stats["residual_decodes"])
+    assert runs["residual"][:2] == runs["raw"][:2] == runs["spare"][:2] == runs["pooled"][:2]
+    assert runs["residual"][2] > 0 and runs["raw"][2] == 0
 
 
 def test_residual_transfer_needs_16_bit_experts():

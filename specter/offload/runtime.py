@@ -38,6 +38,7 @@ class OffloadConfig:
     copy_issue: str = config_default("copy_issue")  # how copies are issued (not part of the cache)
     group_copies: bool = config_default("residual_group_copies")  # a decode group's copies issued together
     spare_slots: bool = config_default("verify_spare_slots")  # verify layers stream through the spare rows too
+    pooled_slots: int = config_default("verify_pooled_slots")  # of `slots`, per layer, moved to the spare rows
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
@@ -45,12 +46,24 @@ class OffloadConfig:
                                config.host_experts, config.host_expert_threads)
         return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, config.prefetch_victims, verify,
                    config.residual_transfer, config.residual_decode_programs, config.residual_decode_group,
-                   config.copy_issue, config.residual_group_copies, config.verify_spare_slots)
+                   config.copy_issue, config.residual_group_copies, config.verify_spare_slots,
+                   config.verify_pooled_slots)
+
+    def pooled_problem(self) -> str:
+        """Why `pooled_slots` cannot be met ("" when it can): each layer keeps at least one slot of its own."""
+        if self.pooled_slots < self.slots:
+            return ""
+        return (f"verify_pooled_slots={self.pooled_slots} leaves no slot of its own per layer at {self.slots} "
+                "resident experts per layer")
 
     def attach(self, model) -> OffloadRuntime:
-        """The model's runtime with this cache (`offload_experts`: the experts move to the host store once)."""
-        return offload_experts(model, self.slots, self.policy, self.spare_rows, self.residual, self.decode_programs,
-                               self.decode_group, self.prefetch_victims, self.spare_slots)
+        """The model's runtime with this cache (`offload_experts`: the experts move to the host store once):
+        `slots - pooled_slots` slots per layer and `pooled_slots` rows of each layer added to the spare rows,
+        lent to the verify layers (pooled slots imply spare slots)."""
+        spare_rows = self.spare_rows + self.pooled_slots * len(model.experts)
+        return offload_experts(model, self.slots - self.pooled_slots, self.policy, spare_rows, self.residual,
+                               self.decode_programs, self.decode_group, self.prefetch_victims,
+                               self.spare_slots or self.pooled_slots > 0)
 
 
 @dataclass
