@@ -225,6 +225,74 @@ def test_group_copies_wait_for_the_decode_that_last_read_a_staging_row(streams, 
     assert [int(rows[i, 0]) for i in range(4)] == [1, 2, 3, 4]
 
 
+def test_group_copies_into_rows_the_running_decode_holds_cross_last(streams, rows, monkeypatch):
+    """Three staging rows, groups of two: the second group's blob for the fresh row crosses at once, the one for a
+    row the first group's decode (the newest) still reads crosses after the copy stream waits for that decode,
+    each batch timed by its own pair of records; the decode waits for the last batch's arrival."""
+    import specter.offload.streams as streams_module
+
+    monkeypatch.setattr(streams_module, "STAGING_BYTES", 3 * 16 * 4)  # three rows of 16 int32 words
+    streams.group_copies = True
+    group = grouped("layer0", size=2)
+    first = [load(streams, rows[i], 1 + i, group, member=i) for i in range(2)]  # rows 0 and 1
+    LOG.clear()
+    load(streams, rows[2], 3, group, member=2)  # staging row 2: never read
+    load(streams, rows[3], 4, group, member=3)  # staging row 0: read by the first group's decode
+    records = copy_records()
+    assert len(records) == 4 and waits("copy") == [first[0]]
+    assert LOG.index(records[1]) < LOG.index(("wait", "copy", first[0])) < LOG.index(records[2])
+    assert LOG.index(("wait", "decode", records[3][2])) < LOG.index(launches()[0])
+    assert launches() == [("launch", "layer0", [2, 3])] and [int(rows[i, 0]) for i in range(4)] == [1, 2, 3, 4]
+    stats = streams.stats()
+    assert stats["h2d_copies"] == 4 and stats["h2d_bytes"] == (5 + 6 + 7 + 8) * 4
+
+
+@pytest.mark.parametrize("group_copies", [False, True])
+@pytest.mark.parametrize("staging_rows", [2, 3, 5])
+def test_every_staging_copy_waits_for_the_last_decode_of_its_row(streams, monkeypatch, group_copies, staging_rows):
+    """Random grouped loads of two layers through a small staging ring, with waits on random loads and started
+    copies: each copy into a staging row comes after a copy-stream wait for the decode that last read the row (or
+    a later decode: they run in order on one stream), and every destination ends with its own blob."""
+    import random
+
+    import specter.offload.streams as streams_module
+
+    monkeypatch.setattr(streams_module, "STAGING_BYTES", staging_rows * 16 * 4)  # rows of 16 int32 words
+    streams.group_copies, rng = group_copies, random.Random(staging_rows)
+    copied, read = [], {}  # (LOG position, staging row) per copy as it is issued; launch position -> rows read
+    view = streams.staging.view
+
+    def logged(row, words):  # a copy's destination, taken after its waits, just before it is issued
+        copied.append((len(LOG), row))
+        return view(row, words)
+
+    def layer_group(key):
+        def launch(staging, items):
+            read[len(LOG)] = {row for row, *_ in items}
+            LOG.append(("launch", key, [member for *_, member in items]))
+            for row, words, dst, _ in items:
+                dst[:words] = staging[row, :words]
+        return DecodeGroup(key, rng.randint(1, 4), launch)
+
+    monkeypatch.setattr(streams.staging, "view", logged)
+    groups, loads = [layer_group("layer0"), layer_group("layer1")], []
+    for value in range(1, 61):
+        dst = torch.zeros(16, dtype=torch.int32)
+        loads.append((dst, value, load(streams, dst, value, rng.choice(groups), member=value % 8)))
+        if rng.random() < 0.2:
+            streams.wait_all([rng.choice(loads)[2]])
+        if rng.random() < 0.2:
+            streams.start_copies()
+    streams.synchronize()
+    decode_record = {id(entry[2]): i for i, entry in enumerate(LOG) if entry[:2] == ("record", "decode")}
+    for position, row in copied:
+        launched = [at for at, rows in read.items() if at < position and row in rows]
+        if launched:  # the ready event recorded after that launch, or a later decode event, was waited for
+            assert any(kind == "wait" and name == "copy" and decode_record.get(id(event), -1) > max(launched)
+                       for kind, name, event in LOG[:position]), (row, position)
+    assert all(int(dst[0]) == value for dst, value, _ in loads) and len(read) > 10
+
+
 def test_group_copies_launch_when_compute_needs_a_deferred_load(streams, rows):
     streams.group_copies = True
     ready = load(streams, rows[0], 9, grouped("layer0", size=8), member=0)

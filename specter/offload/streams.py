@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from specter.offload.bandwidth import BandwidthMeter
-from specter.offload.decode_groups import DecodeGroup, PendingDecodes
+from specter.offload.decode_groups import DecodeGroup, PendingDecodes, StagingRows
 from specter.offload.host_reads import HostRead, HostTap, read_when_reached
 from specter.offload.stream_waits import StreamWaits
 from specter.offload.uploads import UploadRings
@@ -51,10 +51,8 @@ class DeviceStreams:
         self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
         self.group_copies = False  # a decode group's blob copies are issued together, when its decode launches
         self.h2d: Callable | None = None  # h2d(dst, src, stream) issues a copy (cudart.copy_issuer); None: copy_
-        self._staging: torch.Tensor | None = None  # [buffers, capacity] device rows for blobs, made on first use
-        self._staging_rows: tuple = ()  # its rows' views
-        self._staging_read: list = []  # per staging row: event of the decode that read it last
-        self._staged = 0  # residual copies issued (picks the staging row)
+        self.staging = StagingRows(self.device)  # residual blobs between their copy and their decode
+        self._newest_decode = None  # ready event of the last decode launched (decodes run in order on one stream)
         self._pending: PendingDecodes | None = None  # grouped residual loads not decoded yet
         self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
         self._copies: list[CopyRecord] = []
@@ -143,7 +141,7 @@ class DeviceStreams:
         launched by `group.launch` once `group.size` loads are in it, or when anything needs one of them
         (`flush_decodes`); every load of a group returns the group's ready event. With `group_copies` a
         grouped load's blob copy waits in the group too, and the launch issues the group's copies back to back
-        first (one wait per decode that last read their staging rows, one timing record for all).
+        first (`_issue_deferred_copies`).
         On CPU `decode` reads the host blob directly, synchronously.
         """
         nbytes = blob.numel() * blob.element_size()
@@ -159,14 +157,14 @@ class DeviceStreams:
         if group is not None and self.group_copies:
             return self._defer_copy(group, row, blob, (dst, member), (after, previous))
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.waits.wait(self.copy_stream, self._staging_read[row])  # the decode that read this row last
-        staged = self._staging_rows[row][:blob.numel()]
+        self.waits.wait(self.copy_stream, self.staging.reader[row])  # the decode that read this row last
+        staged = self.staging.view(row, blob.numel())
         self._issue_copy(staged, blob, self.copy_stream, start, arrived)
         if group is None:
             ready = self._decode_now(decode, staged, dst, (arrived, after, previous))
         else:
             ready = self._join_group(group, (row, blob.numel(), dst, member), (arrived, after, previous))
-        self._staging_read[row] = ready
+        self.staging.reader[row] = ready
         self._copies.append(CopyRecord(start, arrived, nbytes, after))
         if self._pending is not None and len(self._pending.items) >= self._pending.group.size:
             self.flush_decodes()
@@ -174,14 +172,11 @@ class DeviceStreams:
 
     def _staging_row(self, capacity: int, dtype: torch.dtype) -> int:
         """The staging row the next residual copy uses (rows allocated once per capacity)."""
-        if self._staging is None or self._staging.shape[1] < capacity:
+        if not self.staging.fits(capacity):
             self.flush_decodes()
             count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * dtype.itemsize))
-            self._staging = torch.empty(count, capacity, dtype=dtype, device=self.device)
-            self._staging_rows = self._staging.unbind(0)  # each row's view, made once
-            self._staging_read = [None] * count
-        self._staged += 1
-        return (self._staged - 1) % self._staging.shape[0]
+            self.staging.allocate(count, capacity, dtype)
+        return self.staging.take()
 
     def _decode_now(self, decode, staged: torch.Tensor, dst: torch.Tensor, waits: tuple):
         """One load's decode on the decode stream after `waits`; its ready event."""
@@ -194,6 +189,7 @@ class DeviceStreams:
             decoding.record(self.decode_stream)
             decode(staged, dst)
             ready.record(self.decode_stream)
+            self._newest_decode = ready
             self.waits.mark_past(self.decode_stream, ready)
         finally:
             torch.cuda.set_stream(compute)
@@ -205,10 +201,8 @@ class DeviceStreams:
         (issued by `flush_decodes`); the group's ready event."""
         ready = self._join_group(group, (row, blob.numel(), *target), (None, *row_events))
         pending = self._pending
-        pending.copies.append((row, blob))
-        if self._staging_read[row] is not None:
-            pending.staging_waits.append(self._staging_read[row])
-        self._staging_read[row] = ready
+        pending.copies.append((row, blob, self.staging.reader[row]))
+        self.staging.reader[row] = ready
         if len(pending.items) >= group.size:
             self.flush_decodes()
         return ready
@@ -220,15 +214,22 @@ class DeviceStreams:
             self._issue_deferred_copies(self._pending)
 
     def _issue_deferred_copies(self, pending: PendingDecodes) -> None:
-        """The pending group's blob copies, back to back on the copy stream after the decodes that last read
-        their staging rows: one wait per distinct reader, one timing record for all of them."""
-        for event in dict.fromkeys(pending.staging_waits):
-            self.waits.wait(self.copy_stream, event)
-        start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        pairs = [(self._staging_rows[row][:blob.numel()], blob) for row, blob in pending.copies]
-        self._issue_copies(pairs, self.copy_stream, start, arrived)
-        self._copies.append(CopyRecord(start, arrived, pending.deferred_bytes(), copies=len(pairs)))
-        pending.arrived, pending.copies, pending.staging_waits = arrived, [], []
+        """The pending group's blob copies, back to back on the copy stream after the decodes that last read their
+        staging rows (a wait per distinct reader): first into rows an older decode read, then into those of the
+        newest decode, likely still running, so that the copy stream does not idle behind it while rows are free.
+        One pair of timing records per batch."""
+        behind = [copy[2] is not None and copy[2] is self._newest_decode for copy in pending.copies]
+        older = [copy for copy, late in zip(pending.copies, behind) if not late]
+        for batch in filter(None, (older, [copy for copy, late in zip(pending.copies, behind) if late])):
+            for event in dict.fromkeys(reader for *_, reader in batch):
+                self.waits.wait(self.copy_stream, event)
+            start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            pairs = [(self.staging.view(row, blob.numel()), blob) for row, blob, _ in batch]
+            self._issue_copies(pairs, self.copy_stream, start, arrived)
+            nbytes = sum(blob.numel() * blob.element_size() for _, blob, _ in batch)
+            self._copies.append(CopyRecord(start, arrived, nbytes, copies=len(pairs)))
+            pending.arrived = arrived  # the copy stream runs in order: the last batch's arrival covers the others
+        pending.copies = []
 
     def _join_group(self, group: DecodeGroup, item: tuple, waits: tuple):
         if self._pending is None:
@@ -261,8 +262,9 @@ class DeviceStreams:
             for event in [pending.arrived, *pending.waits]:
                 self.waits.wait(self.decode_stream, event)
             decoding.record(self.decode_stream)
-            pending.group.launch(self._staging, pending.items)
+            pending.group.launch(self.staging.buffer, pending.items)
             pending.ready.record(self.decode_stream)
+            self._newest_decode = pending.ready
             self.waits.mark_past(self.decode_stream, pending.ready)
         finally:
             torch.cuda.set_stream(compute)
