@@ -145,14 +145,16 @@ class HostPathOptions:
 
 
 class FakeResiduals:
-    """What ExpertCache reads of a ResidualExpertStore: a small blob per expert, a decode group launch that
-    only counts itself."""
+    """What ExpertCache reads of a ResidualExpertStore: a small blob per expert, the experts of a layer end to end
+    in one host buffer (as the store keeps them), a decode group launch that only counts itself."""
 
     max_blob_words = 48
 
     def __init__(self, options: HostPathOptions, calls: Counter) -> None:
-        self.blobs = [[torch.full((40 + expert % 8,), expert, dtype=torch.int32) for expert in range(options.experts)]
-                      for _ in range(options.layers)]
+        words = [40 + expert % 8 for expert in range(options.experts)]
+        ends = torch.tensor(words).cumsum(0).tolist()
+        buffers = [torch.zeros(ends[-1], dtype=torch.int32) for _ in range(options.layers)]
+        self.blobs = [[buffer[end - size:end] for size, end in zip(words, ends)] for buffer in buffers]
         self.mean_blob_bytes, self.calls = 176.0, calls
 
     def blob(self, layer: int, expert: int) -> torch.Tensor:
@@ -239,7 +241,7 @@ def measure(options: HostPathOptions, work: list[tuple], repeats: int = 3) -> di
             seconds = verify(manager, work, options)
             if best is None or seconds < best[0]:
                 best = (seconds, fake.counts(), manager.cache.counters.loads, manager.host_load_ms,
-                        manager.host_wave_ms, manager.cache.streams.stats()["h2d_copies"])
+                        manager.host_wave_ms, manager.cache.streams.stats()["h2d_copy_calls"])
     seconds, counts, loads, load_ms, wave_ms, copies = best
     layers = len(work) * options.layers
     waves, decodes = counts["wave"], counts["decode_launch"]

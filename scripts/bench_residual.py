@@ -119,7 +119,7 @@ def load_paths(raw_host: torch.Tensor, blob_host: torch.Tensor, layout, drafts, 
     stacked = tuple(operand.unsqueeze(0) for operand in operands)  # a layer of one expert
     group, fast_group, together_group, fast_together_group = (DecodeGroup(
         "bench", GROUP, lambda staging, items, s=s: launcher.group(
-            stacked, staging, rows, s.upload_rows(group_rows(items, staging.shape[1], rows), 4, ring="decode")))
+            stacked, staging, rows, s.upload_rows(group_rows(items, rows), 4, ring="decode")))
         for s in (streams, fast, together, fast_together))
     jit = lambda blob, out: launch_decode(plan, operands, blob, out)  # noqa: E731
     one = {"raw": lambda row: streams.copy(rows[row], raw_host),

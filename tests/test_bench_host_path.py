@@ -60,3 +60,13 @@ def test_a_decode_group_never_outgrows_the_staging_rows(work):
             for group, staging in ((8, 4), (4, 4), (8, 16))]
     assert rows[0]["decode_launches_per_layer"] == rows[1]["decode_launches_per_layer"]
     assert rows[2]["decode_launches_per_layer"] < rows[0]["decode_launches_per_layer"]
+
+
+def test_a_pooled_layer_loads_in_expert_order_so_grouped_copies_of_neighbours_cross_as_one(work):
+    """With every planned load in flight at once (pooled slots, a wave of every slot) the loads go in expert
+    order; grouped copies then merge neighbouring experts' blobs (adjacent in the layer's host buffer)."""
+    grouped, apart = (bench.measure(bench.HostPathOptions(pooled=2, wave=-1, group_copies=copies), work, repeats=1)
+                      for copies in (True, False))
+    assert grouped["loads_per_layer"] == apart["loads_per_layer"]
+    assert grouped["copies_per_layer"] < 0.7 * grouped["loads_per_layer"]
+    assert apart["copies_per_layer"] == apart["loads_per_layer"]  # copies issued one by one never merge

@@ -67,8 +67,8 @@ def grouped(key, size: int = 3) -> DecodeGroup:
     """A group whose launch writes each blob into its destination (the plumbing, not the residual decode)."""
     def launch(staging: torch.Tensor, items: list) -> None:
         LOG.append(("launch", key, [member for *_, member in items]))
-        for row, words, dst, _ in items:
-            dst[:words] = staging[row, :words]
+        for offset, words, dst, _ in items:
+            dst[:words] = staging.view(-1)[offset:offset + words]
     return DecodeGroup(key, size, launch)
 
 
@@ -214,37 +214,75 @@ def test_group_copies_wait_for_the_decode_that_last_read_a_staging_row(streams, 
     streams.group_copies = True
     group = grouped("layer0", size=2)
     first = load(streams, rows[0], 1, group, member=0)
-    load(streams, rows[1], 2, group, member=1)
+    load(streams, rows[1], 2, group, member=1)  # packed after the first blob: both in staging row 0
+    second = load(streams, rows[2], 3, group, member=2)
+    load(streams, rows[3], 4, group, member=3)  # the second group: row 1
     assert [entry for entry in LOG if entry[0] == "wait" and entry[1] == "copy"] == []  # fresh rows
-    load(streams, rows[2], 3, group, member=2)
-    load(streams, rows[3], 4, group, member=3)  # rows 0 and 1 again, both last read by the first group
+    load(streams, rows[4], 5, group, member=4)  # row 0 again, last read by the first group's decode
+    load(streams, rows[5], 6, group, member=5)  # on into row 1, last read by the second group's decode
     waits = [entry for entry in LOG if entry[0] == "wait" and entry[1] == "copy"]
-    assert waits == [("wait", "copy", first)]  # one wait for that group's decode
-    second_start = copy_records()[2][2]
-    assert LOG.index(waits[0]) < LOG.index(("record", "copy", second_start))
-    assert [int(rows[i, 0]) for i in range(4)] == [1, 2, 3, 4]
+    assert waits == [("wait", "copy", first), ("wait", "copy", second)]  # one wait per decode
+    older_start, newest_start = copy_records()[4][2], copy_records()[6][2]
+    assert LOG.index(waits[0]) < LOG.index(("record", "copy", older_start)) < LOG.index(waits[1])
+    assert LOG.index(waits[1]) < LOG.index(("record", "copy", newest_start))
+    assert [int(rows[i, 0]) for i in range(6)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_group_copies_into_rows_the_running_decode_holds_cross_last(streams, rows, monkeypatch):
-    """Three staging rows, groups of two: the second group's blob for the fresh row crosses at once, the one for a
-    row the first group's decode (the newest) still reads crosses after the copy stream waits for that decode,
-    each batch timed by its own pair of records; the decode waits for the last batch's arrival."""
+    """Three staging rows, groups of two blobs of a row each: the second group's blob for the fresh row crosses at
+    once, the one for a row the first group's decode (the newest) still reads crosses after the copy stream waits
+    for that decode, each batch timed by its own pair of records; the decode waits for the last batch's arrival."""
     import specter.offload.streams as streams_module
 
     monkeypatch.setattr(streams_module, "STAGING_BYTES", 3 * 16 * 4)  # three rows of 16 int32 words
     streams.group_copies = True
     group = grouped("layer0", size=2)
-    first = [load(streams, rows[i], 1 + i, group, member=i) for i in range(2)]  # rows 0 and 1
+    first = [load(streams, rows[i], 1 + i, group, member=11) for i in range(2)]  # 16 words each: rows 0 and 1
     LOG.clear()
-    load(streams, rows[2], 3, group, member=2)  # staging row 2: never read
-    load(streams, rows[3], 4, group, member=3)  # staging row 0: read by the first group's decode
+    load(streams, rows[2], 3, group, member=11)  # staging row 2: never read
+    load(streams, rows[3], 4, group, member=11)  # staging row 0: read by the first group's decode
     records = copy_records()
     assert len(records) == 4 and waits("copy") == [first[0]]
     assert LOG.index(records[1]) < LOG.index(("wait", "copy", first[0])) < LOG.index(records[2])
     assert LOG.index(("wait", "decode", records[3][2])) < LOG.index(launches()[0])
-    assert launches() == [("launch", "layer0", [2, 3])] and [int(rows[i, 0]) for i in range(4)] == [1, 2, 3, 4]
+    assert len(launches()) == 1 and [int(rows[i, 15]) for i in range(4)] == [1, 2, 3, 4]
     stats = streams.stats()
-    assert stats["h2d_copies"] == 4 and stats["h2d_bytes"] == (5 + 6 + 7 + 8) * 4
+    assert stats["h2d_copies"] == 4 and stats["h2d_bytes"] == 4 * 16 * 4
+
+
+def test_a_blob_packed_into_a_row_another_blob_took_waits_for_that_row_too(streams, rows, monkeypatch):
+    """Two staging rows, both read by the newest decode: the next group's first blob takes row 0 and waits for that
+    decode; the blobs packed after it in row 0 reach no new row, yet they cross after the same wait."""
+    import specter.offload.streams as streams_module
+
+    monkeypatch.setattr(streams_module, "STAGING_BYTES", 2 * 16 * 4)  # two rows of 16 int32 words
+    streams.group_copies = True
+    earlier = grouped("layer0", size=2)
+    newest = load(streams, rows[0], 1, earlier, member=4)  # 9 words: row 0
+    load(streams, rows[1], 2, earlier, member=5)  # 10 words: on into row 1
+    LOG.clear()
+    group = grouped("layer1", size=3)
+    for i in range(3):
+        load(streams, rows[2 + i], 3 + i, group, member=0)  # 5 words each, all three in row 0
+    waited, first_record = LOG.index(("wait", "copy", newest)), LOG.index(copy_records()[0])
+    assert waited < first_record and len(copy_records()) == 2  # one batch, after the wait
+    assert [int(rows[i, 0]) for i in range(5)] == [1, 2, 3, 4, 5]
+
+
+def test_group_copies_of_blobs_adjacent_on_the_host_cross_as_one_copy(streams, rows):
+    """Blobs that lie end to end in one host buffer (consecutive experts of a layer) are packed end to end in
+    staging too and cross in one copy call; each load still lands in its own destination."""
+    streams.group_copies = True
+    host = torch.arange(5 + 6 + 7 + 4, dtype=torch.int32)
+    blobs = [host[0:5], host[5:11], host[11:18], host[18:22]]
+    group = grouped("layer0", size=4)
+    order = [0, 1, 3, 2]  # the third load's blob is not the second's neighbour: two runs
+    for i, blob_index in enumerate(order):
+        streams.copy_decoded(rows[i], blobs[blob_index], None, 16, group=group, member=blob_index)
+    stats = streams.stats()
+    assert stats["h2d_copies"] == 4 and stats["h2d_copy_calls"] == 3 and stats["h2d_bytes"] == host.numel() * 4
+    for i, blob_index in enumerate(order):
+        assert torch.equal(rows[i, :blobs[blob_index].numel()], blobs[blob_index])
 
 
 @pytest.mark.parametrize("group_copies", [False, True])
@@ -259,22 +297,28 @@ def test_every_staging_copy_waits_for_the_last_decode_of_its_row(streams, monkey
 
     monkeypatch.setattr(streams_module, "STAGING_BYTES", staging_rows * 16 * 4)  # rows of 16 int32 words
     streams.group_copies, rng = group_copies, random.Random(staging_rows)
-    copied, read = [], {}  # (LOG position, staging row) per copy as it is issued; launch position -> rows read
-    view = streams.staging.view
+    copied, read = [], {}  # (LOG position, staging rows) per copy as it is issued; launch position -> rows read
+    view, span, width = streams.staging.view, streams.staging.span, 16
 
-    def logged(row, words):  # a copy's destination, taken after its waits, just before it is issued
-        copied.append((len(LOG), row))
+    def viewed(row, words):  # a copy's destination row, taken after its waits, just before it is issued
+        copied.append((len(LOG), {row}))
         return view(row, words)
+
+    def spanned(offset, words):  # a packed copy's destination
+        copied.append((len(LOG), set(range(offset // width, (offset + words - 1) // width + 1))))
+        return span(offset, words)
 
     def layer_group(key):
         def launch(staging, items):
-            read[len(LOG)] = {row for row, *_ in items}
+            read[len(LOG)] = {row for offset, words, *_ in items
+                              for row in range(offset // width, (offset + words - 1) // width + 1)}
             LOG.append(("launch", key, [member for *_, member in items]))
-            for row, words, dst, _ in items:
-                dst[:words] = staging[row, :words]
+            for offset, words, dst, _ in items:
+                dst[:words] = staging.view(-1)[offset:offset + words]
         return DecodeGroup(key, rng.randint(1, 4), launch)
 
-    monkeypatch.setattr(streams.staging, "view", logged)
+    monkeypatch.setattr(streams.staging, "view", viewed)
+    monkeypatch.setattr(streams.staging, "span", spanned)
     groups, loads = [layer_group("layer0"), layer_group("layer1")], []
     for value in range(1, 61):
         dst = torch.zeros(16, dtype=torch.int32)
@@ -285,12 +329,13 @@ def test_every_staging_copy_waits_for_the_last_decode_of_its_row(streams, monkey
             streams.start_copies()
     streams.synchronize()
     decode_record = {id(entry[2]): i for i, entry in enumerate(LOG) if entry[:2] == ("record", "decode")}
-    for position, row in copied:
-        launched = [at for at, rows in read.items() if at < position and row in rows]
-        if launched:  # the ready event recorded after that launch, or a later decode event, was waited for
-            assert any(kind == "wait" and name == "copy" and decode_record.get(id(event), -1) > max(launched)
-                       for kind, name, event in LOG[:position]), (row, position)
-    assert all(int(dst[0]) == value for dst, value, _ in loads) and len(read) > 10
+    for position, rows_written in copied:
+        for row in rows_written:
+            launched = [at for at, rows in read.items() if at < position and row in rows]
+            if launched:  # the ready event recorded after that launch, or a later decode event, was waited for
+                assert any(kind == "wait" and name == "copy" and decode_record.get(id(event), -1) > max(launched)
+                           for kind, name, event in LOG[:position]), (row, position)
+    assert all(dst[:5 + value % 8].eq(value).all() for dst, value, _ in loads) and len(read) > 10
 
 
 def test_group_copies_launch_when_compute_needs_a_deferred_load(streams, rows):

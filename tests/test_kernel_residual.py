@@ -152,8 +152,8 @@ def test_one_launch_rebuilds_several_experts_of_a_layer(dtype):
         staging[row, :blob.numel()] = blob
     pool = torch.zeros(len(experts) + 1, store.numel, dtype=dtype)
     out_rows = [2, 0, 3]
-    items = group_table([(row, residuals.blob(layer, e).numel(), pool[out_rows[row]], e) for row, e in enumerate(experts)],
-                        capacity, pool)
+    items = group_table([(row * capacity, residuals.blob(layer, e).numel(), pool[out_rows[row]], e)
+                         for row, e in enumerate(experts)], pool)
     assert items[0].tolist() == [0, residuals.blob(layer, 6).numel(), 6, 2 * store.numel]
     decode_experts(staging, pool, items, residuals.layout, list(residuals.drafts[layer]))
     for expert, row in zip(experts, out_rows):
@@ -178,7 +178,7 @@ def test_one_launch_rebuilds_several_dsv2_experts_on_cuda(dtype):
         staging[row, :blob.numel()] = blob.cuda()
     pool = torch.zeros(4, experts[0][3].numel(), dtype=dtype, device="cuda")
     out_rows = [3, 0, 1]
-    items = group_table([(row, e[1].numel(), pool[out_rows[row]], row) for row, e in enumerate(experts)], capacity, pool)
+    items = group_table([(row * capacity, e[1].numel(), pool[out_rows[row]], row) for row, e in enumerate(experts)], pool)
     decode_experts(staging, pool, items.cuda(), layout, drafts)
     for (_, _, _, weights), row in zip(experts, out_rows):
         assert torch.equal(bits_of(pool[row].cpu()), bits_of(weights))
@@ -205,7 +205,7 @@ def test_bound_group_launches_decode_other_items_and_buffers_bit_exactly_on_cuda
     for pool_rows, chosen in [(5, [0, 1]), (5, [3, 2]), (5, [1, 3]), (6, [2, 0])]:  # the last: another pool
         pool = torch.zeros(pool_rows, experts[0][3].numel(), dtype=dtype, device="cuda")
         out_rows = [pool_rows - 1, 1]
-        items = group_table([(e, experts[e][1].numel(), pool[r], e) for e, r in zip(chosen, out_rows)], capacity, pool)
+        items = group_table([(e * capacity, experts[e][1].numel(), pool[r], e) for e, r in zip(chosen, out_rows)], pool)
         launcher.group(operands, staging, pool, items.cuda())
         for expert, row in zip(chosen, out_rows):
             assert torch.equal(bits_of(pool[row].cpu()), bits_of(experts[expert][3])), (chosen, expert)

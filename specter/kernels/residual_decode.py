@@ -250,17 +250,17 @@ class DecodeLauncher:
         self.bound_groups, self.bound_buffers = {}, None
 
 
-def group_rows(items: list[tuple], staging_width: int, pool: torch.Tensor) -> list[tuple[int, int, int, int]]:
+def group_rows(items: list[tuple], pool: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """`decode_experts`' items as rows of four ints (blob offset, blob words, expert, output offset) from loads
-    given as (staging row, blob words, destination row: a view into `pool`, expert), with staging rows
-    `staging_width` words apart."""
+    given as (blob offset in the staging buffer's words, blob words, destination row: a view into `pool`,
+    expert)."""
     base, width = pool.data_ptr(), pool.element_size()
-    return [(row * staging_width, words, expert, (dst.data_ptr() - base) // width) for row, words, dst, expert in items]
+    return [(offset, words, expert, (dst.data_ptr() - base) // width) for offset, words, dst, expert in items]
 
 
-def group_table(items: list[tuple], staging_width: int, pool: torch.Tensor) -> torch.Tensor:
+def group_table(items: list[tuple], pool: torch.Tensor) -> torch.Tensor:
     """`group_rows` as the [n, 4] int64 host tensor `decode_experts` takes (once on the device)."""
-    return torch.tensor(group_rows(items, staging_width, pool), dtype=torch.int64).view(len(items), 4)
+    return torch.tensor(group_rows(items, pool), dtype=torch.int64).view(len(items), 4)
 
 
 def decode_experts(staging: torch.Tensor, pool: torch.Tensor, items: torch.Tensor, layout: BlobLayout,

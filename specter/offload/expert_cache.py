@@ -367,7 +367,7 @@ class ExpertCache:
 
     def _decode_group(self, layer: int, staging: torch.Tensor, items: list[tuple]) -> None:
         """One launch decoding a group of this layer's loads (`DecodeGroup.launch`), its table on the device."""
-        table = self.streams.upload_rows(group_rows(items, staging.shape[1], self.pool), 4, ring="decode")  # [n, 4]
+        table = self.streams.upload_rows(group_rows(items, self.pool), 4, ring="decode")  # [n, 4]
         self.residuals.decode_group(layer, self.decode_launcher, staging, self.pool, table)
 
     def start_loads(self) -> None:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
-from specter.offload.bandwidth import BandwidthMeter
-from specter.offload.decode_groups import DecodeGroup, PendingDecodes, StagingRows
+from specter.offload.copy_log import CopyLog, CopyRecord
+from specter.offload.decode_groups import DecodeGroup, PendingDecodes
 from specter.offload.host_reads import HostRead, HostTap, read_when_reached
+from specter.offload.staging import StagingRows
 from specter.offload.stream_waits import StreamWaits
 from specter.offload.uploads import UploadRings
 
@@ -17,18 +17,6 @@ from specter.offload.uploads import UploadRings
 _current_stream_of = getattr(torch._C, "_cuda_getCurrentStream", None)
 STAGING_BYTES = 128 * 2**20  # device memory for residual blobs between their copy and their decode
 MIN_STAGING_BUFFERS = 2  # at least one blob in flight while one decodes
-
-
-class CopyRecord(NamedTuple):
-    """One expert copy, or `copies` back-to-back copies issued together: start and end (events on CUDA,
-    perf_counter on CPU), bytes, and the event it waited for (the last use of the device row it writes;
-    None if none)."""
-
-    start: object
-    end: object
-    nbytes: int
-    after: object = None
-    copies: int = 1
 
 
 class DeviceStreams:
@@ -54,10 +42,7 @@ class DeviceStreams:
         self.staging = StagingRows(self.device)  # residual blobs between their copy and their decode
         self._newest_decode = None  # ready event of the last decode launched (decodes run in order on one stream)
         self._pending: PendingDecodes | None = None  # grouped residual loads not decoded yet
-        self._stalls: list[tuple] = []  # (start, end) events or perf_counter pairs around waits
-        self._copies: list[CopyRecord] = []
-        self._bandwidth = BandwidthMeter()  # recent bytes per ms of the finished copies
-        self._decodes: list[tuple] = []  # (start, end) of each residual decode
+        self.log = CopyLog()  # copies, stalls and decodes since `reset_stats`
         self._flush_host_ms = 0.0  # host time launching decode groups (`flush_decodes`), wherever called from
         self._current = (None, None)  # the current stream's (id triple, Stream object), `compute_stream`
         self.waits = StreamWaits()  # every stream wait goes through it: none issued twice
@@ -104,7 +89,7 @@ class DeviceStreams:
         else:
             self.waits.wait(stream, after)
         self._issue_copy(dst, src, stream, start, ready)
-        self._copies.append(CopyRecord(start, ready, nbytes, after))
+        self.log.copies.append(CopyRecord(start, ready, nbytes, after))
         return ready
 
     def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, stream, start, end) -> None:
@@ -147,15 +132,15 @@ class DeviceStreams:
         nbytes = blob.numel() * blob.element_size()
         if not self.cuda:
             span = self._on_host(lambda: decode(blob, dst), nbytes, demand)
-            self._decodes.append(span)
+            self.log.decodes.append(span)
             return None
-        row = self._staging_row(capacity, blob.dtype)
-        pending = self._pending
+        self._ensure_staging(capacity, blob.dtype)
+        if group is not None and self.group_copies:
+            return self._defer_copy(group, blob, (dst, member), (after, previous))
+        row, pending = self.staging.take(), self._pending
         if pending is not None and (group is None or pending.group.key != group.key or row in pending.rows
                                     or pending.holds(after, previous)):
             self.flush_decodes()
-        if group is not None and self.group_copies:
-            return self._defer_copy(group, row, blob, (dst, member), (after, previous))
         start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.waits.wait(self.copy_stream, self.staging.reader[row])  # the decode that read this row last
         staged = self.staging.view(row, blob.numel())
@@ -163,20 +148,21 @@ class DeviceStreams:
         if group is None:
             ready = self._decode_now(decode, staged, dst, (arrived, after, previous))
         else:
-            ready = self._join_group(group, (row, blob.numel(), dst, member), (arrived, after, previous))
+            ready = self._join_group(group, (self.staging.offset(row), blob.numel(), dst, member),
+                                     (arrived, after, previous))
+            self._pending.rows[row] = None
         self.staging.reader[row] = ready
-        self._copies.append(CopyRecord(start, arrived, nbytes, after))
+        self.log.copies.append(CopyRecord(start, arrived, nbytes, after))
         if self._pending is not None and len(self._pending.items) >= self._pending.group.size:
             self.flush_decodes()
         return ready
 
-    def _staging_row(self, capacity: int, dtype: torch.dtype) -> int:
-        """The staging row the next residual copy uses (rows allocated once per capacity)."""
+    def _ensure_staging(self, capacity: int, dtype: torch.dtype) -> None:
+        """Staging rows of at least `capacity` elements (allocated once per capacity, after the pending decodes)."""
         if not self.staging.fits(capacity):
             self.flush_decodes()
             count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * dtype.itemsize))
             self.staging.allocate(count, capacity, dtype)
-        return self.staging.take()
 
     def _decode_now(self, decode, staged: torch.Tensor, dst: torch.Tensor, waits: tuple):
         """One load's decode on the decode stream after `waits`; its ready event."""
@@ -193,16 +179,26 @@ class DeviceStreams:
             self.waits.mark_past(self.decode_stream, ready)
         finally:
             torch.cuda.set_stream(compute)
-        self._decodes.append((decoding, ready))
+        self.log.decodes.append((decoding, ready))
         return ready
 
-    def _defer_copy(self, group: DecodeGroup, row: int, blob: torch.Tensor, target: tuple, row_events: tuple):
-        """A grouped load with `group_copies`: its blob's copy waits in the pending group with the decode
-        (issued by `flush_decodes`); the group's ready event."""
-        ready = self._join_group(group, (row, blob.numel(), *target), (None, *row_events))
+    def _defer_copy(self, group: DecodeGroup, blob: torch.Tensor, target: tuple, row_events: tuple):
+        """A grouped load with `group_copies`: its blob, packed after the group's previous one in staging
+        (`StagingRows.pack`), waits in the pending group with the decode (copied by `_issue_deferred_copies`);
+        the group's ready event."""
         pending = self._pending
-        pending.copies.append((row, blob, self.staging.reader[row]))
-        self.staging.reader[row] = ready
+        if pending is not None and (pending.group.key != group.key or pending.holds(*row_events)):
+            self.flush_decodes()
+        words = blob.numel()
+        offset, reached, new = self.staging.pack(words)
+        if new and self._pending is not None and not self._pending.rows.keys().isdisjoint(new):
+            self.flush_decodes()  # the ring came round to the group's own rows: they are decoded first
+            offset, reached, new = self.staging.pack(words)
+        ready = self._join_group(group, (offset, words, *target), (None, *row_events))
+        pending, reader = self._pending, self.staging.reader
+        for row in new:  # the rows it reaches first: their readers before the group, then the group's decode
+            pending.rows[row], reader[row] = reader[row], ready
+        pending.copies.append((offset, blob, tuple(map(pending.rows.__getitem__, reached))))  # shared rows too
         if len(pending.items) >= group.size:
             self.flush_decodes()
         return ready
@@ -218,16 +214,17 @@ class DeviceStreams:
         staging rows (a wait per distinct reader): first into rows an older decode read, then into those of the
         newest decode, likely still running, so that the copy stream does not idle behind it while rows are free.
         One pair of timing records per batch."""
-        behind = [copy[2] is not None and copy[2] is self._newest_decode for copy in pending.copies]
+        newest = self._newest_decode
+        behind = [newest is not None and any(reader is newest for reader in copy[2]) for copy in pending.copies]
         older = [copy for copy, late in zip(pending.copies, behind) if not late]
         for batch in filter(None, (older, [copy for copy, late in zip(pending.copies, behind) if late])):
-            for event in dict.fromkeys(reader for *_, reader in batch):
+            for event in dict.fromkeys(reader for *_, readers in batch for reader in readers if reader is not None):
                 self.waits.wait(self.copy_stream, event)
             start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            pairs = [(self.staging.view(row, blob.numel()), blob) for row, blob, _ in batch]
+            pairs = self.staging.copy_pairs([(offset, blob) for offset, blob, _ in batch])
             self._issue_copies(pairs, self.copy_stream, start, arrived)
             nbytes = sum(blob.numel() * blob.element_size() for _, blob, _ in batch)
-            self._copies.append(CopyRecord(start, arrived, nbytes, copies=len(pairs)))
+            self.log.copies.append(CopyRecord(start, arrived, nbytes, copies=len(batch), calls=len(pairs)))
             pending.arrived = arrived  # the copy stream runs in order: the last batch's arrival covers the others
         pending.copies = []
 
@@ -237,7 +234,6 @@ class DeviceStreams:
         pending = self._pending
         arrived, *row_events = waits
         pending.items.append(item)
-        pending.rows.add(item[0])
         if arrived is not None:  # None: a deferred copy (its arrival is recorded when it is issued)
             pending.arrived = arrived  # the copy stream runs in order: the last blob's arrival covers the others
         pending.waits += [event for event in row_events if event is not None]
@@ -263,21 +259,22 @@ class DeviceStreams:
                 self.waits.wait(self.decode_stream, event)
             decoding.record(self.decode_stream)
             pending.group.launch(self.staging.buffer, pending.items)
+            self.staging.close()  # the next group's blobs start a row of their own
             pending.ready.record(self.decode_stream)
             self._newest_decode = pending.ready
             self.waits.mark_past(self.decode_stream, pending.ready)
         finally:
             torch.cuda.set_stream(compute)
-        self._decodes.append((decoding, pending.ready))
+        self.log.decodes.append((decoding, pending.ready))
 
     def _on_host(self, work, nbytes: int, demand: bool) -> tuple[float, float]:
         """A copy on CPU: `work` now, timed and recorded (a `demand` copy as a stall too); its span."""
         start = time.perf_counter()
         work()
         span = (start, time.perf_counter())
-        self._copies.append(CopyRecord(*span, nbytes))
+        self.log.copies.append(CopyRecord(*span, nbytes))
         if demand:
-            self._stalls.append(span)
+            self.log.stalls.append(span)
         return span
 
     def wait(self, ready) -> None:
@@ -299,7 +296,7 @@ class DeviceStreams:
         before = self.record()
         for event in pending:
             self.waits.wait(stream, event)
-        self._stalls.append((before, self.record()))
+        self.log.stalls.append((before, self.record()))
 
     def _passed(self, stream, event) -> bool:
         """Has `event` completed (then `stream` is marked past it)?"""
@@ -348,25 +345,16 @@ class DeviceStreams:
             self.decode_stream.synchronize()
 
     def reset_stats(self) -> None:
-        self._stalls, self._copies, self._decodes = [], [], []
+        self.log.reset()
         self._flush_host_ms = 0.0
         self._skipped_before = self.waits.skipped
         self.uploads.reset_stats()
-        self._bandwidth.restart()
 
     def stats(self) -> dict:
         """H2D bytes, copy busy time, achieved GB/s and compute stall time (the host waits here, once)."""
         self.synchronize()
-        copy_ms = sum(_elapsed_ms(c.start, c.end) for c in self._copies)
-        nbytes = self.copied_bytes()
         return {
-            "h2d_bytes": nbytes,
-            "h2d_copies": sum(c.copies for c in self._copies),
-            "h2d_busy_ms": copy_ms,
-            "h2d_gbps": nbytes / copy_ms / 1e6 if copy_ms > 0 else float("nan"),
-            "wait_ms": sum(_elapsed_ms(a, b) for a, b in self._stalls),
-            "residual_decodes": len(self._decodes),
-            "residual_decode_ms": sum(_elapsed_ms(a, b) for a, b in self._decodes),
+            **self.log.stats(self.copied_bytes()),
             "residual_group_host_ms": self._flush_host_ms,  # launching decode groups (their tables' uploads included)
             "upload_wait_ms": self.uploads.wait_ms,  # the host waiting for an upload ring's buffer to come free
             "stream_waits_skipped": self.waits.skipped - self._skipped_before,  # waits spared (no CUDA call)
@@ -375,22 +363,14 @@ class DeviceStreams:
     def copied_bytes(self) -> int:
         """Bytes of the copies issued since `reset_stats`, deferred ones included (host bookkeeping, no sync)."""
         deferred = 0 if self._pending is None else self._pending.deferred_bytes()
-        return sum(c.nbytes for c in self._copies) + deferred
+        return self.log.copied_bytes() + deferred
 
     def copy_spans_ms(self, timeline) -> list[tuple[float, float, float | None]]:
         """(start, end, slot free) of every copy since `reset_stats`, in ms on `timeline` (after decoding: it
         waits); slot free: when the event the copy waited for (its row's last use) passed, None if none."""
         self.synchronize()
-        at = lambda event: None if event is None else timeline.offset_ms(event, wait=False)  # noqa: E731
-        return [(at(c.start), at(c.end), at(c.after)) for c in self._copies]
+        return self.log.spans_ms(lambda event: None if event is None else timeline.offset_ms(event, wait=False))
 
     def measured_bandwidth(self) -> float | None:
         """Bytes per ms over the last copies that have finished (non-blocking), or None if none has."""
-        return self._bandwidth.measure(self._copies, lambda c: self.is_ready(c.end if self.cuda else None),
-                                       _elapsed_ms)
-
-
-def _elapsed_ms(start, end) -> float:
-    if isinstance(start, float):
-        return (end - start) * 1e3
-    return start.elapsed_time(end)
+        return self.log.measured_bandwidth(lambda c: self.is_ready(c.end if self.cuda else None))

@@ -140,6 +140,8 @@ class ResidencyManager:
         planned = [e for e in plan if e not in resident]  # most routed first
         host, on_host = self._start_host_experts(step, planned, routing)
         planned = [e for e in planned if e not in host]
+        if len(planned) <= cache.stream_slots - len(resident):  # all in flight at once: in expert order, so that
+            planned.sort()  # grouped residual copies of neighbouring experts cross as one (`residual_group_copies`)
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
         self._stream(step, ready_first, deque(planned), ready=len(resident.keys() - ahead))
         cache.start_loads()  # nothing waits for a group's launch while the host waits for the router
