@@ -215,9 +215,10 @@ class DeviceStreams:
         newest decode, likely still running, so that the copy stream does not idle behind it while rows are free.
         One pair of timing records per batch."""
         newest = self._newest_decode
-        behind = [newest is not None and any(reader is newest for reader in copy[2]) for copy in pending.copies]
-        older = [copy for copy, late in zip(pending.copies, behind) if not late]
-        for batch in filter(None, (older, [copy for copy, late in zip(pending.copies, behind) if late])):
+        older, behind = [], []
+        for copy in pending.copies:  # events compare by identity
+            (behind if newest is not None and newest in copy[2] else older).append(copy)
+        for batch in filter(None, (older, behind)):
             for event in dict.fromkeys(reader for *_, readers in batch for reader in readers if reader is not None):
                 self.waits.wait(self.copy_stream, event)
             start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
