@@ -122,6 +122,8 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "upload_wait_ms_per_token": mean("upload_wait_ms") / mean("generated_tokens"),
         "stream_waits_skipped_per_token": mean("stream_waits_skipped") / mean("generated_tokens"),
         "verify_waves_per_token": mean("verify_waves") / mean("generated_tokens"),
+        "h2d_copy_calls_per_token": mean("h2d_copy_calls") / mean("generated_tokens"),
+        "h2d_copies_per_token": mean("h2d_copies") / mean("generated_tokens"),
         "host_expert_runs_per_token": mean("host_expert_runs") / mean("generated_tokens"),
         "host_expert_mb_per_token": mean("host_expert_bytes") / mean("generated_tokens") / 1e6,
         "host_expert_cost": runs[0].get("host_expert_cost"),
@@ -292,7 +294,8 @@ def row_line(row: dict) -> str:
                  f"launches {row['residual_decodes_per_token']:.1f}/token, group launches' host ms "
                  f"{row['residual_group_host_ms_per_token']:.2f}, upload ring waits "
                  f"{row['upload_wait_ms_per_token']:.2f}; stream waits spared "
-                 f"{row['stream_waits_skipped_per_token']:.1f}/token")
+                 f"{row['stream_waits_skipped_per_token']:.1f}/token; copy calls "
+                 f"{row['h2d_copy_calls_per_token']:.1f}/token for {row['h2d_copies_per_token']:.1f} loads")
     return line
 
 

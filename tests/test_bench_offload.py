@@ -28,6 +28,9 @@ def test_summary_rows_line_and_table(capsys):
     assert row["residual_group_host_ms_per_token"] == 0 == row["upload_wait_ms_per_token"]  # CPU: no groups, rings
     assert "decode launches 0.0/token, group launches' host ms 0.00, upload ring waits 0.00; stream waits spared " \
         "0.0/token" in bench.row_line(row)  # CPU: no stream waits at all
+    assert row["h2d_copy_calls_per_token"] == row["h2d_copies_per_token"] > 0  # CPU: every load its own copy
+    assert f"copy calls {row['h2d_copies_per_token']:.1f}/token for {row['h2d_copies_per_token']:.1f} loads" \
+        in bench.row_line(row)
     bench.print_table([dict(row, k=3)])  # no target-only or eager rows: the ratios they anchor are left out
     out = capsys.readouterr().out
     assert "specter: TPOT / I/O floor" in out and "draft step" not in out
