@@ -3,9 +3,12 @@
 The fakes keep a log of what each stream is asked to do and fail on a wait for an event nobody recorded
 (real CUDA would let such a wait pass at once: the race these tests guard against).
 """
+import random
+
 import pytest
 import torch
 
+import specter.offload.streams as streams_module
 from specter.offload.decode_groups import DecodeGroup
 from specter.offload.streams import DeviceStreams
 
@@ -116,8 +119,6 @@ def test_another_layer_a_pending_row_or_an_ungrouped_load_closes_the_group(strea
 
 
 def test_staging_rows_are_not_reused_by_a_pending_group(streams, rows, monkeypatch):
-    import specter.offload.streams as streams_module
-
     monkeypatch.setattr(streams_module, "STAGING_BYTES", 1)  # the minimum: two staging rows
     group = grouped("layer0", size=8)
     load(streams, rows[0], 1, group, member=0)
@@ -144,7 +145,6 @@ def test_a_group_of_four_makes_fewer_events_and_launches_per_load(streams, rows)
         load(streams, rows[i], i, group, member=i)
     assert sum(entry[0] == "event" for entry in LOG) == 4 * 2 + 2  # start, arrived per load; 2 per group
     assert len(launches()) == 1
-
 
 
 def waits(stream: str) -> list:
@@ -208,8 +208,6 @@ def test_group_copies_make_four_events_per_group(streams, rows):
 
 
 def test_group_copies_wait_for_the_decode_that_last_read_a_staging_row(streams, rows, monkeypatch):
-    import specter.offload.streams as streams_module
-
     monkeypatch.setattr(streams_module, "STAGING_BYTES", 1)  # two staging rows
     streams.group_copies = True
     group = grouped("layer0", size=2)
@@ -232,8 +230,6 @@ def test_group_copies_into_rows_the_running_decode_holds_cross_last(streams, row
     """Three staging rows, groups of two blobs of a row each: the second group's blob for the fresh row crosses at
     once, the one for a row the first group's decode (the newest) still reads crosses after the copy stream waits
     for that decode, each batch timed by its own pair of records; the decode waits for the last batch's arrival."""
-    import specter.offload.streams as streams_module
-
     monkeypatch.setattr(streams_module, "STAGING_BYTES", 3 * 16 * 4)  # three rows of 16 int32 words
     streams.group_copies = True
     group = grouped("layer0", size=2)
@@ -253,8 +249,6 @@ def test_group_copies_into_rows_the_running_decode_holds_cross_last(streams, row
 def test_a_blob_packed_into_a_row_another_blob_took_waits_for_that_row_too(streams, rows, monkeypatch):
     """Two staging rows, both read by the newest decode: the next group's first blob takes row 0 and waits for that
     decode; the blobs packed after it in row 0 reach no new row, yet they cross after the same wait."""
-    import specter.offload.streams as streams_module
-
     monkeypatch.setattr(streams_module, "STAGING_BYTES", 2 * 16 * 4)  # two rows of 16 int32 words
     streams.group_copies = True
     earlier = grouped("layer0", size=2)
@@ -291,10 +285,6 @@ def test_every_staging_copy_waits_for_the_last_decode_of_its_row(streams, monkey
     """Random grouped loads of two layers through a small staging ring, with waits on random loads and started
     copies: each copy into a staging row comes after a copy-stream wait for the decode that last read the row (or
     a later decode: they run in order on one stream), and every destination ends with its own blob."""
-    import random
-
-    import specter.offload.streams as streams_module
-
     monkeypatch.setattr(streams_module, "STAGING_BYTES", staging_rows * 16 * 4)  # rows of 16 int32 words
     streams.group_copies, rng = group_copies, random.Random(staging_rows)
     copied, read = [], {}  # (LOG position, staging rows) per copy as it is issued; launch position -> rows read
@@ -377,8 +367,6 @@ def test_grouped_loads_through_two_staging_rows_each_land_intact_on_cuda(monkeyp
     """Real streams, the decode stream held back by a long kernel: a blob's staging row is copied over only
     after the decode that read it, a decode reads only its own arrived blobs, a wave waits for its decodes,
     and the waits `StreamWaits` spares change none of that (every row ends with its own load's values)."""
-    import specter.offload.streams as streams_module
-
     monkeypatch.setattr(streams_module, "STAGING_BYTES", 1)  # two staging rows, reused by every other load
     streams = DeviceStreams(torch.device("cuda"))
     streams.group_copies = group_copies
