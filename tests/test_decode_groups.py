@@ -375,8 +375,8 @@ def test_grouped_loads_through_two_staging_rows_each_land_intact_on_cuda(monkeyp
 
     def launch(staging, items):
         torch.cuda._sleep(2_000_000)  # the decode stream runs late: copies would overrun a row still to be read
-        for row, words, dst, _ in items:
-            dst[:words].copy_(staging[row, :words])
+        for offset, words, dst, _ in items:
+            dst[:words].copy_(staging.view(-1)[offset:offset + words])
     group = DecodeGroup("layer0", 3, launch)
     ready = [streams.copy_decoded(rows[i], blobs[i], None, 48, group=group, member=i) for i in range(24)]
     checks = []
