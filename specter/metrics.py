@@ -19,10 +19,12 @@ def format_row(row: dict) -> str:
 
 
 def write_rows_csv(path: Path, rows: list[dict]) -> Path:
-    """Rows (dicts with the first row's keys) to a CSV file at `path`, its folder made if missing."""
+    """Rows (dicts) to a CSV file at `path`, its folder made if missing: a column per key of any row, in the order
+    they first appear; a row without a key leaves its cell empty."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(key for row in rows for key in row))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
     return path

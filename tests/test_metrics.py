@@ -1,10 +1,11 @@
 """Metric definitions: TPOT, acceptance counting; garbage collection paused around timed decodes."""
+import csv
 import gc
 import math
 
 import pytest
 
-from specter.metrics import acceptance_stats, gc_paused, tpot_ms
+from specter.metrics import acceptance_stats, gc_paused, tpot_ms, write_rows_csv
 
 
 def test_tpot_is_span_over_n_minus_one():
@@ -58,3 +59,14 @@ def test_floor_stats_per_token_at_the_requests_own_copy_rate():
                    "io_floor_both_paths_ms_per_token": 0.1}
     assert floor_stats({"generated_tokens": 4, "h2d_bytes": 0}) == {"host_expert_bytes_per_token": 0.0}
 
+
+
+def test_rows_csv_has_a_column_for_a_key_the_first_row_lacks(tmp_path):
+    rows = [{"system": "target_only", "tpot_ms": 80.0},
+            {"system": "specter", "tpot_ms": 20.0, "tpot_over_specter": None},
+            {"system": "options", "tpot_ms": 11.0, "tpot_over_specter": 0.55}]
+    path = write_rows_csv(tmp_path / "out" / "rows.csv", rows)
+    with open(path, newline="") as f:
+        read = list(csv.DictReader(f))
+    assert list(read[0]) == ["system", "tpot_ms", "tpot_over_specter"]
+    assert [r["tpot_over_specter"] for r in read] == ["", "", "0.55"]

@@ -187,13 +187,15 @@ def test_residual_transfer_gives_the_same_tokens_with_fewer_bytes(tiny_name, dty
 
 def test_residual_transfer_keeps_batches_lossless():
     """A batch decodes the same tokens with residual loads as with raw copies, also with the spare rows lent to the
-    verify layers and with slots pooled with them (bf16: a batch's GEMMs may round otherwise than one request's on some CPUs, so each side is
+    verify layers and with slots pooled with them, also in full waves with grouped copies (bf16: a batch's GEMMs may round otherwise than one request's on some CPUs, so each side is
     compared with its own shape)."""
     model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
     prompts = [prompt().tolist()[0], prompt("def f(x):").tolist()[0]]
     options = {"raw": {}, "residual": dict(residual_transfer=True),
                "spare": dict(residual_transfer=True, verify_spare_slots=True),  # waves of 3
-               "pooled": dict(residual_transfer=True, resident_experts_per_layer=3, verify_pooled_slots=2)}
+               "pooled": dict(residual_transfer=True, resident_experts_per_layer=3, verify_pooled_slots=2),
+               "pooled_copies": dict(residual_transfer=True, resident_experts_per_layer=3, verify_pooled_slots=2,
+                                     verify_wave=-1, residual_group_copies=True)}
     runs = {}
     for name, option in options.items():
         engine = specter.SpecterEngine(model, specter.SpecterConfig(**{"k": 4, "resident_experts_per_layer": 2,
@@ -201,7 +203,7 @@ def test_residual_transfer_keeps_batches_lossless():
         runs[name] = ([r.token_ids for r in engine.generate(prompts, 12)],
                       [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts],
                       engine.generate(prompts, 12)[0].stats["residual_decodes"])
-    assert runs["residual"][:2] == runs["raw"][:2] == runs["spare"][:2] == runs["pooled"][:2]
+    assert runs["residual"][:2] == runs["raw"][:2] == runs["spare"][:2] == runs["pooled"][:2] == runs["pooled_copies"][:2]
     assert runs["residual"][2] > 0 and runs["raw"][2] == 0
 
 
