@@ -46,7 +46,8 @@
 # TPOT min-max per system and a host profile of one more decode of each (bench_offload.py --repeats).
 # ahead: the GPU tests of draft-ahead, its branch and SideSteps, then calibrated dsv2 (AHEAD_MEM, default high;
 # AHEAD_K, default 32; AHEAD_REPEATS decodes of the built-in prompts, default 2) with Specter and AHEAD_VARIANTS
-# (default: the three options; with draft_ahead_prompt), each row as measured, with the host's time in draft-ahead's
+# (default: the three options, draft_ahead_prompt on; the same with pooled slots, waves of every slot and grouped
+# copies: session 36's fastest at dsv2 mem=low with AHEAD_MEM=low), each row as measured, with the host's time in draft-ahead's
 # launch and the windows drafted ahead, by the branch and from the prompt (OUT/ahead/offload.csv); AHEAD_ARGS adds
 # bench_offload flags, e.g. --interleave (the systems take turns round by round; each variant's x Specter printed).
 # calibration: each of CAL_MODELS (default "phi mixtral") calibrated at its real depth in fp16, the registry's
@@ -109,7 +110,7 @@ for step in "${STEPS[@]}"; do
            python3 scripts/bench_offload.py --models dsv2 --mem "${AHEAD_MEM:-high}" --k "${AHEAD_K:-32}" --quick \
              --weights calibrated --repeats "${AHEAD_REPEATS:-2}" ${AHEAD_ARGS:-} --out "$OUT/ahead" --variants ${AHEAD_VARIANTS:-\
              residual_transfer=true,draft_ahead=true,draft_compile=true \
-             residual_transfer=true,draft_ahead=true,draft_compile=true,draft_ahead_prompt=true} \
+             residual_transfer=true,draft_ahead=true,draft_compile=true,verify_pooled_slots=2,verify_wave=-1,residual_group_copies=true} \
              2>&1 | grep --line-buffered -v -i -E "warn|max_cache_len" | tee "$OUT/ahead.log" \
              | grep -E "^   [a-z_=,0-9-]+: (interleaved, )?[0-9]+ s"; [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     calibration) rc=0  # each model's committed profile at its real depth: routing, RTN and GPTQ acceptance
