@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import socket
 import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
@@ -104,8 +105,9 @@ def load_prompts(name: str, num_prompts: int, path: str | None = None, source: s
         return hub_prompts(spec, num_prompts)
     except SpecterError as err:
         if source == "auto":
-            where = " or ".join(str(f) for f in default_files(name))
-            raise SpecterError(f"no local file at {where} and {err}; {PREPARE_HINT}") from None
+            files = ", ".join(spec.files)
+            raise SpecterError(f"{name}: no local file ({files} under {data_dir()}) and {err}; "
+                               f"see initialization/prepare_datasets.py") from None
         raise
 
 
@@ -232,12 +234,33 @@ def hub_prompts(spec: DatasetSpec, num_prompts: int) -> list[str]:
     if spec.data_files is not None:
         kwargs["data_files"] = {spec.split: spec.data_files}
     where = f"Hugging Face Hub {spec.repo}" + (f" ({spec.config})" if spec.config else "")
+    problem = hub_problem()
+    if problem:
+        raise SpecterError(f"cannot load {spec.name} from the Hub: {problem}")
     try:
         rows = datasets.load_dataset(spec.repo, **kwargs)
-    except Exception as exc:  # network, authentication (GPQA is gated), missing repo: one line either way
-        raise SpecterError(f"cannot load {spec.name} from the {where}: {type(exc).__name__}: {first_line(exc)}") from None
+    except Exception as exc:  # authentication (GPQA is gated), missing repo: one short line either way
+        reason = first_line(exc)
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        raise SpecterError(f"cannot load {spec.name} from the {where}: {type(exc).__name__}: {reason}") from None
     records = (record_text(row, spec.field, f"{where} row {i}") for i, row in enumerate(rows))
     return take(spec, where, records, num_prompts)
+
+
+def hub_problem(timeout_s: float = 3.0) -> str:
+    """Why the Hub cannot be read right now ("" when it may be): offline mode, or no connection to its host
+    within `timeout_s` (checked once, before `datasets` starts its own retry loop)."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"offline mode ({name}={os.environ[name]})"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = re.sub(r"^[a-z]+://", "", endpoint).split("/")[0]
+    host, _, port = host.partition(":")
+    try:
+        socket.create_connection((host, int(port or 443)), timeout=timeout_s).close()
+    except (OSError, ValueError):
+        return f"{host} is unreachable (no network?)"
+    return ""
 
 
 def _get(node, key: str, default=None):

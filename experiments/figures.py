@@ -182,7 +182,7 @@ def _batch_axis(ax, sizes: pd.Series) -> None:
 
 
 def figure15_batch(root: Path, out: Path) -> Drawn | str:
-    """Mean TPOT (left) and throughput (right) vs batch size, one line per system and run."""
+    """Median TPOT (left) and throughput (right) vs batch size, one line per system and run."""
     data = _batch_averages(root)
     if data.empty:
         return "no batch runs (experiment=batch)"
@@ -193,7 +193,7 @@ def figure15_batch(root: Path, out: Path) -> Drawn | str:
         right.plot(rows.batch_size, rows.throughput_tok_s, marker="o", label=f"{system} ({run})")
     for ax in (left, right):
         _batch_axis(ax, data.batch_size)
-    left.set(ylabel="mean TPOT (ms)")
+    left.set(ylabel="TPOT (ms, median)")
     right.set(yscale="log", ylabel="throughput (tokens/s)")
     right.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, ...
     right.yaxis.set_major_formatter(ScalarFormatter())

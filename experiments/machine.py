@@ -46,7 +46,7 @@ def busy_warning(state: dict, share: float = 0.75) -> str | None:
     load, cores = state.get("load_average_1min"), state.get("cpu_cores") or 1
     if load is None or load <= share * cores:
         return None
-    return (f"warning: this machine was busy when the run started (load average {load:.1f} on {cores} cores): "
+    return (f"warning: this machine was busy when the run started (host load {load:.1f}/{cores} cores): "
             f"its timings are inflated; run.json records the load")
 
 

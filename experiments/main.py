@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -15,10 +16,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from omegaconf import OmegaConf
+
 from experiments import records
 from experiments.experiments import EXPERIMENTS
-from experiments.machine import busy_warning, machine_state
-from experiments.settings import check_run_settings, earlier_invocations, invocation, results_dir, write_run_json
+from experiments.machine import busy_warning, load_note, machine_state
+from experiments.run_dirs import results_dir
+from experiments.settings import check_run_settings, earlier_invocations, invocation, write_run_json
+from experiments.usage import usage
 from specter.errors import SpecterError
 from specter.models.loading import checkpoint_architecture
 
@@ -77,11 +82,39 @@ def check_group_choices(argv: list[str]) -> None:
             raise SpecterError(f"unknown {group} {option!r}; known: {known}")
 
 
+def system_overrides(argv: list[str]) -> list[str]:
+    """argv with `system=X` (also `+system=X`) rewritten into `systems=[X]`: the one system X, an option file
+    of conf/system/. An unknown X, or system= beside systems=, is a one-line error."""
+    chosen = [arg for arg in argv if arg.lstrip("+~").partition("=")[0] == "system"]
+    if not chosen:
+        return argv
+    known = sorted(p.stem for p in (CONF / "system").glob("*.yaml"))
+    if len(chosen) > 1 or any(arg.lstrip("+~").partition("=")[0] == "systems" for arg in argv):
+        raise SpecterError("give one system=X (one system) or systems=[a,b,...] (several), not both")
+    name = chosen[0].partition("=")[2]
+    if chosen[0].startswith("~") or name not in known:
+        raise SpecterError(f"unknown system {name!r}; known: {', '.join(known)} (several: systems=[a,b,...])")
+    return [f"systems=[{name}]" if arg is chosen[0] else arg for arg in argv]
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """One-line error for a top-level key that no code reads (`+foo=1`), before anything runs."""
+    base = OmegaConf.load(CONF / "config.yaml")
+    known = {key for key in base if key not in ("defaults", "hydra")} | set(CHECKED_GROUPS)
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise SpecterError(f"unknown option {unknown[0]}= (no code reads it); top-level options: "
+                           f"{', '.join(sorted(known))}; see --help")
+
+
 def run(cfg: DictConfig) -> Path:
     """Run the configured experiment; returns the results directory it wrote."""
+    check_known_keys(cfg)
     check_run_settings(cfg)
     out_dir, resumed = results_dir(cfg)
-    busy = busy_warning(machine_state(cfg.device))  # taken before the run's own work; printed with the results
+    if resumed and cfg.resume is True and run_complete(out_dir):
+        return nothing_to_do(cfg, out_dir)
+    machine = machine_state(cfg.device)  # measured once: the header, the warning and run.json show it
     opened: list[records.RecordWriter] = []
     calls: list[dict] = []  # run.json's invocations: the earlier ones (on resume) and this process
 
@@ -89,19 +122,38 @@ def run(cfg: DictConfig) -> Path:
         """Create the results directory only once the inputs are valid and the model is loaded."""
         out_dir.mkdir(parents=True, exist_ok=resumed)
         writer = records.RecordWriter(out_dir, resume=resumed)
-        calls.extend([*(earlier_invocations(out_dir) if resumed else []), invocation(cfg, len(writer.rows))])
-        write_run_json(out_dir, cfg, complete=False, invocations=calls)
+        calls.extend([*(earlier_invocations(out_dir) if resumed else []), invocation(cfg, len(writer.rows), machine)])
+        write_run_json(out_dir, cfg, complete=False, invocations=calls, machine=machine)
         opened.append(writer)
         return writer
 
     header, by = EXPERIMENTS[cfg.experiment.name](cfg, out_dir, open_writer)
     summary = records.write_summary(out_dir, opened[0].rows, by)
-    write_run_json(out_dir, cfg, complete=True, invocations=calls)
-    print(f"\n{header}")
+    write_run_json(out_dir, cfg, complete=True, invocations=calls, machine=machine)
+    print(f"\n{header}{load_note(machine)}")
     print(records.format_table(summary))
     print(f"results: {out_dir}")
+    busy = busy_warning(machine)
     if busy:
         print(busy, file=sys.stderr)
+    return out_dir
+
+
+def run_complete(out_dir: Path) -> bool:
+    """Whether `out_dir`'s run.json says its run finished."""
+    try:
+        return json.loads((out_dir / "run.json").read_text()).get("complete") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def nothing_to_do(cfg: DictConfig, out_dir: Path) -> Path:
+    """A resumed run that had finished: say so and print its summary."""
+    rows = records.read_records(out_dir / "records.csv") if (out_dir / "records.csv").is_file() else None
+    print(f"nothing to do: every case of {out_dir} is done")
+    if rows is not None and not rows.empty:
+        print(records.format_table(records.summarize(rows, records.SUMMARY_KEYS[cfg.experiment.name])))
+    print(f"results: {out_dir}")
     return out_dir
 
 
@@ -115,8 +167,11 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(usage(CONF))
+        sys.exit(0)
     try:
-        sys.argv[1:] = checkpoint_overrides(sys.argv[1:])
+        sys.argv[1:] = checkpoint_overrides(system_overrides(sys.argv[1:]))
         check_group_choices(sys.argv[1:])
     except SpecterError as err:
         print(f"error: {err}", file=sys.stderr)

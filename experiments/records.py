@@ -109,7 +109,8 @@ SUMMARY_KEYS = {  # experiment -> the columns its summary groups by
 
 
 def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")) -> pd.DataFrame:
-    """Mean metrics per group plus an AVG row per system; Specter's TPOT speedup over each system."""
+    """Per group: the median of each per-decode metric (TPOT also as min, max and a labelled mean), an AVG row
+    per system (the mean of its datasets' medians), and each system's median TPOT over Specter's."""
     if records.empty:
         return records
     missing = records[records.status != "ok"][[c for c in ("system", "dataset", "status") if c in records]]
@@ -120,19 +121,19 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
         ok[col] = pd.to_numeric(ok[col], errors="coerce") if col in ok else float("nan")
     ok["token_agreement"] = pd.to_numeric(ok.get("token_agreement", pd.Series(index=ok.index, dtype=float)),
                                           errors="coerce")
-    metrics = {"tpot_ms": "mean", "tpot_median_ms": "median", "tpot_min_ms": "min", "tpot_max_ms": "max",
-               "ttft_ms": "mean", "acceptance_rate": "mean", "mean_accepted_length": "mean",
-               "hit_rate": "mean", "h2d_bytes_per_token": "mean", "prompt_id": "nunique"}
+    metrics = {"tpot_median_ms": "median", "tpot_mean_ms": "mean", "tpot_min_ms": "min", "tpot_max_ms": "max",
+               "ttft_ms": "median", "acceptance_rate": "median", "mean_accepted_length": "median",
+               "hit_rate": "median", "h2d_bytes_per_token": "median", "prompt_id": "nunique"}
     for optional in ("throughput_tok_s", "working_set_mean", "token_agreement", *FLOOR_STATS):  # where measured
         if ok[optional].notna().any():
-            metrics[optional] = "mean"
-    ok = ok.assign(tpot_median_ms=ok.tpot_ms, tpot_min_ms=ok.tpot_ms, tpot_max_ms=ok.tpot_ms)
+            metrics[optional] = "median"
+    ok = ok.assign(tpot_median_ms=ok.tpot_ms, tpot_mean_ms=ok.tpot_ms, tpot_min_ms=ok.tpot_ms, tpot_max_ms=ok.tpot_ms)
     summary = ok.groupby(list(by), sort=False).agg(metrics).reset_index().rename(columns={"prompt_id": "prompts"})
     summary["h2d_mb_per_token"] = summary.pop("h2d_bytes_per_token") / 1e6
     if "host_expert_bytes_per_token" in summary:
         summary["host_expert_mb_per_token"] = summary.pop("host_expert_bytes_per_token") / 1e6
     if "io_floor_ms_per_token" in summary:
-        summary["tpot_over_io_floor"] = summary.tpot_ms / summary.io_floor_ms_per_token
+        summary["tpot_over_io_floor"] = summary.tpot_median_ms / summary.io_floor_ms_per_token
     summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]
     if "dataset" in by:
         avg = summary.groupby([c for c in by if c != "dataset"], sort=False).mean(numeric_only=True).reset_index()
@@ -157,13 +158,13 @@ def _identical(ok: pd.DataFrame, row, by) -> str:
 
 
 def _with_speedup(summary: pd.DataFrame, group: list[str]) -> pd.DataFrame:
-    """tpot_over_specter = this system's TPOT / Specter's TPOT in the same group (dataset, k, ...): above 1,
+    """tpot_over_specter = this system's median TPOT / Specter's in the same group (dataset, k, ...): above 1,
     Specter is that many times faster; below 1, slower."""
-    specter = summary[summary.system == "specter"].set_index(group)["tpot_ms"] if group else None
+    specter = summary[summary.system == "specter"].set_index(group)["tpot_median_ms"] if group else None
     if specter is None or specter.empty:
         return summary
     keys = summary[group].apply(tuple, axis=1) if len(group) > 1 else summary[group[0]]
-    summary["tpot_over_specter"] = summary.tpot_ms.values / keys.map(specter).values
+    summary["tpot_over_specter"] = summary.tpot_median_ms.values / keys.map(specter).values
     return summary
 
 
@@ -173,9 +174,30 @@ def write_summary(out_dir: Path, rows: list[dict], by: tuple[str, ...] = ("syste
     return summary
 
 
-def format_table(summary: pd.DataFrame) -> str:
-    """The summary as printed, with a legend for the ratio column."""
-    table = summary.to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-")
-    if "tpot_over_specter" in summary:
-        table += "\ntpot_over_specter: this system's TPOT / Specter's (above 1: Specter is faster; below 1: slower)"
-    return table
+TABLE_COLUMNS = {  # summary column -> console heading; every column stays in summary.csv
+    "tpot_median_ms": "TPOT ms", "tpot_over_specter": "x Specter", "acceptance_rate": "accept",
+    "h2d_mb_per_token": "MB/token", "tokens_identical": "same tokens"}
+
+
+def format_table(summary: pd.DataFrame, width: int = 120) -> str:
+    """The columns a reader compares systems by (medians per decode), then one line per unavailable row;
+    summary.csv has every column."""
+    status = summary["status"] if "status" in summary else pd.Series("", index=summary.index)
+    failed = status.fillna("").astype(str).str.startswith("unavailable")
+    ok = summary[~failed]
+    keys = [c for c in ("system", "dataset", "k", "prefix_tokens", "batch_size") if c in ok and ok[c].notna().any()]
+    columns = keys + [c for c in TABLE_COLUMNS if c in ok and ok[c].replace("", float("nan")).notna().any()]
+    table = ok[columns].rename(columns=TABLE_COLUMNS)
+    text = table.to_string(index=False, float_format=lambda x: f"{x:.1f}" if abs(x) >= 100 else f"{x:.3f}",
+                           na_rep="-") if len(ok) else ""
+    lines = [text] if text else []
+    lines += [f"{row.system} / {row.get('dataset', '-')}: {_cut(str(row.status), width - 20)}"
+              for _, row in summary[failed].iterrows()]
+    if "tpot_over_specter" in ok:
+        lines.append("TPOT and the other columns: medians over decodes; x Specter: TPOT / Specter's (above 1: "
+                     "Specter is faster)")
+    return "\n".join(lines)
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -65,6 +65,9 @@ def summaries(root: Path, experiment: str, name: str = "summary.csv") -> pd.Data
 
 
 def measured(root: Path, experiment: str) -> pd.DataFrame:
-    """An experiment's summary rows that hold numbers (not 'unavailable' reasons)."""
+    """An experiment's summary rows that hold numbers (not 'unavailable' reasons); `tpot_ms` is the median TPOT
+    (a summary written before medians has only its mean there)."""
     data = summaries(root, experiment)
+    if "tpot_median_ms" in data:
+        data = data.assign(tpot_ms=data.tpot_median_ms)
     return data[data.status.isna()] if "status" in data else data

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.machine import load_note, machine_state
+from experiments.machine import machine_state
 from specter.config import SpecterConfig
-from specter.defaults import config_default
 from specter.errors import SpecterError
 from specter.models.calibrated import routing_profile
 from specter.models.loading import WEIGHTS, check_architecture, checkpoint_dir, hf_config, load_model, with_layers
@@ -216,81 +215,12 @@ def whole_number(value, name: str, least: int | None, alternatives: str = "") ->
         raise SpecterError(f"{name} must be an integer{bound}{alternatives}, got {value!r}")
 
 
-RESUME_FREE = ("resume", "results_dir", "results_root")  # keys a resumed run may change
-
-
-def results_dir(cfg) -> tuple[Path, bool]:
-    """(where this run writes, whether it resumes an earlier run there); never overwrites.
-
-    An explicit results_dir that exists is refused unless resume=true; the default
-    results/<experiment>/<model>-<mem> (<model>: model.label if set, e.g. a checkpoint directory's
-    name) gets a numeric suffix (.1, .2, ...) instead, or with resume=true is continued (its
-    finished cases are skipped). A run resumes only into a directory whose run.json holds the same
-    config (resume=force continues anyway).
-    """
-    if cfg.resume not in (True, False, "force"):
-        raise SpecterError(f"resume must be true, false or force, got {cfg.resume!r}")
-    if cfg.results_dir is not None:
-        path = Path(cfg.results_dir)
-        if path.exists() and not cfg.resume:
-            raise SpecterError(f"results directory {path} already exists; it is never overwritten: "
-                               f"pass another results_dir= or resume=true")
-    else:
-        path = Path(cfg.results_root) / cfg.experiment.name / f"{run_name(cfg)}-{cfg.mem.name}"
-        n, base = 0, path
-        while path.exists() and not cfg.resume:
-            n += 1
-            path = base.with_name(f"{base.name}.{n}")
-    if path.exists() and cfg.resume is True:
-        check_same_config(path, cfg)
-    return path, path.exists()
-
-
-def check_same_config(path: Path, cfg) -> None:
-    """One-line error unless `path`'s run.json was written by a run of the same config (options that run
-    did not have yet count as the same at their defaults: `added_at_default`; a directory with neither
-    run.json nor records.csv holds nothing to check)."""
-    if not (path / "run.json").exists() and not (path / "records.csv").exists():
-        return
-    try:
-        stored = json.loads((path / "run.json").read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise SpecterError(f"cannot resume {path}: its run.json is missing or unreadable, so its config "
-                           f"cannot be checked; pass another results_dir= or resume=force") from None
-    stored, new = flat(stored), flat(OmegaConf.to_container(cfg, resolve=True))
-    differ = [key for key in sorted(set(stored) | set(new))
-              if key.split(".")[0] not in RESUME_FREE and stored.get(key) != new.get(key)
-              and not (key not in stored and added_at_default(key, new[key]))]
-    if differ:
-        shown = ", ".join(f"{k} ({stored.get(k)!r} there, {new.get(k)!r} now)" for k in differ[:4])
-        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
-        raise SpecterError(f"cannot resume {path}: it was run with another config: {shown}{more}; "
-                           f"pass another results_dir=, the same settings, or resume=force")
-
-
-def added_at_default(key: str, value) -> bool:
-    """Whether an option a stored config lacks (added since that run) is at the value that run had in
-    effect: a Specter option at SpecterConfig's default, or an option left unset (a token cap of a system
-    added since)."""
-    group, _, name = key.partition(".")
-    if value is None:
-        return True
-    return group == "specter" and name in SpecterConfig.__dataclass_fields__ and value == config_default(name)
-
-
-def flat(tree: dict, prefix: str = "") -> dict:
-    """{"a.b": leaf} of a nested dict (lists and empty dicts are leaves)."""
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        out.update(flat(value, f"{name}.") if isinstance(value, dict) and value else {name: value})
-    return out
-
-
-def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] | None = None) -> None:
+def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] | None = None,
+                   machine: dict | None = None) -> None:
     """run.json: resolved config, the checkpoint directory read (absolute; null for seeded weights), git
     commit, device, package versions, whether the run finished and, where given, `invocations`: one entry per
-    process that wrote rows (see `invocation`). The top-level commit, GPU and machine are the latest one's."""
+    process that wrote rows (see `invocation`). The top-level commit, GPU and machine are the latest one's
+    (`machine`: the state this process measured once at its start; measured now where not given)."""
     checkpoint = checkpoint_path(cfg)
     info = {
         "complete": complete,
@@ -300,7 +230,7 @@ def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] |
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),  # tracked files differ from git_commit (or a copy whose .git is stale)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "machine": machine_state(cfg.device),
+        "machine": machine if machine is not None else machine_state(cfg.device),
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
     }
@@ -309,13 +239,13 @@ def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] |
     (out_dir / "run.json").write_text(json.dumps(info, indent=2))
 
 
-def invocation(cfg, first_row: int) -> dict:
+def invocation(cfg, first_row: int, machine: dict) -> dict:
     """What one process resuming (or starting) a results directory ran under: its start time (UTC), git
-    commit, GPU and machine, and `first_row`, the 0-based index in records.csv of the first row it writes
+    commit, GPU and machine (`machine`: measured once at the process's start), and `first_row`, the 0-based index in records.csv of the first row it writes
     (rows are appended, so entry i wrote rows first_row[i] to first_row[i+1] - 1)."""
     return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "machine": machine_state(cfg.device), "first_row": first_row}
+            "machine": machine, "first_row": first_row}
 
 
 def earlier_invocations(out_dir: Path) -> list[dict]:
@@ -392,4 +322,4 @@ def header(model, config, cfg, what: str) -> str:
         weights = f"checkpoint {checkpoint}{as_model}"
     return (f"{what}: {model.spec.name} ({weights}), K={config.k}, {config.resident_experts_per_layer} "
             f"resident experts/layer ({cfg.mem.name}), {cfg.num_prompts} prompts/dataset x {cfg.repeats} repeats x "
-            f"{cfg.max_new_tokens} tokens on {model.device}{load_note(machine_state(model.device))}")
+            f"{cfg.max_new_tokens} tokens on {model.device}")

@@ -130,10 +130,11 @@ for step in "${STEPS[@]}"; do
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     depth) rc=0
            for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
+             resume=false; [ -d "${REPORT_DIR:-.report}/depth/$model-$mem" ] && resume="${RESUME:-true}"
              timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main experiment=depth model="$model" mem="$mem" \
                model.weights="${WEIGHTS:-synthetic}" dataset=all num_prompts="${DEPTH_PROMPTS:-1}" repeats=1 \
                "experiment.k_values=[${DEPTH_KS:-4,8,12,16,24,32}]" warmup_tokens=32 \
-               results_root="${REPORT_DIR:-.report}" resume="${RESUME:-true}" > "$OUT/depth-$model-$mem.log" 2>&1 || rc=1
+               results_root="${REPORT_DIR:-.report}" resume=$resume > "$OUT/depth-$model-$mem.log" 2>&1 || rc=1
              grep -E " AVG |best K|error" "$OUT/depth-$model-$mem.log" || tail -n 3 "$OUT/depth-$model-$mem.log"
              tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}"  # after each run: unpack it in the repo to resume
            done; done ;;

@@ -94,7 +94,8 @@ for s in "${STEPS[@]}"; do
   dir="$RESULTS/$exp/$model-$mem"
   if [ -d "$dir" ] && complete "$dir"; then echo "skip (done): $dir"; continue; fi
   echo "== experiment=$exp model=$model mem=$mem $*"
+  resume=false; [ -d "$dir" ] && resume=true  # continue a step cut short; resume=true needs the directory
   python3 -m experiments.main experiment="$exp" model="$model" mem="$mem" results_root="$RESULTS" \
-    results_dir="$dir" resume=true dataset="$DATASET" "${COMMON[@]}" "$@" "${EXTRA[@]}"
+    results_dir="$dir" resume=$resume dataset="$DATASET" "${COMMON[@]}" "$@" "${EXTRA[@]}"
 done
 python3 -m experiments.figures "$RESULTS"

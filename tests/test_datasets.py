@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import types
 import zipfile
 from pathlib import Path
@@ -18,6 +19,8 @@ from experiments import datasets as ds
 from experiments.datasets import DATASETS, load_prompts, prompts_for
 from initialization import prepare_datasets
 from specter.errors import SpecterError
+
+real_hub_problem = ds.hub_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf" / "dataset"
@@ -60,6 +63,7 @@ def no_network(monkeypatch) -> HubCalls:
     """No test touches the network: `import datasets` inside the loader gets this fake."""
     hub = HubCalls()
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=hub.load_dataset))
+    monkeypatch.setattr(ds, "hub_problem", lambda: "")  # the fake Hub is always reachable
     return hub
 
 
@@ -281,11 +285,38 @@ def test_hub_failures_are_one_line(empty_data, no_network):
     with pytest.raises(SpecterError, match="cannot load gsm8k from the Hugging Face Hub openai/gsm8k") as err:
         load_prompts("gsm8k", 1, source="hub")
     assert "\n" not in str(err.value)
-    with pytest.raises(SpecterError, match=r"no local file at .*test\.jsonl and cannot load gsm8k"):
+    with pytest.raises(SpecterError, match=r"gsm8k: no local file \(gsm8k/test\.jsonl under .*\) and cannot load gsm8k"):
         load_prompts("gsm8k", 1, source="auto")
     no_network.rows = {"openai/gsm8k": [{"answer": "a"}]}
     with pytest.raises(SpecterError, match="openai/gsm8k .*row 0 has no 'question'"):
         load_prompts("gsm8k", 1, source="hub")
+
+
+@pytest.mark.parametrize("env", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"])
+def test_offline_mode_fails_at_once_in_one_short_line(empty_data, no_network, monkeypatch, env):
+    monkeypatch.setattr(ds, "hub_problem", real_hub_problem)
+    monkeypatch.setenv(env, "1")
+    start = time.perf_counter()
+    with pytest.raises(SpecterError, match=f"gpqa: no local file .* offline mode \\({env}=1\\)") as err:
+        load_prompts("gpqa", 1)
+    assert time.perf_counter() - start < 2 and not no_network.calls
+    assert "\n" not in str(err.value) and len(str(err.value).replace(str(empty_data), "")) < 200
+
+
+def test_an_unreachable_hub_fails_within_seconds(empty_data, no_network, monkeypatch):
+    monkeypatch.setattr(ds, "hub_problem", real_hub_problem)
+    for env in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # a reserved name: never resolves
+
+    def refuse(address, timeout):
+        assert timeout <= 5
+        raise OSError("no route")
+
+    monkeypatch.setattr(ds.socket, "create_connection", refuse)
+    with pytest.raises(SpecterError, match="hub.invalid is unreachable") as err:
+        load_prompts("gpqa", 1, source="hub")
+    assert not no_network.calls and "\n" not in str(err.value)
 
 
 def test_local_file_wins_over_the_hub_in_auto(data, no_network):

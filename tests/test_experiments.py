@@ -122,10 +122,15 @@ def test_resume_skips_finished_cases(tmp_path):
     before = pd.read_csv(out / "records.csv")
     first = json.loads((out / "run.json").read_text())["invocations"]
     assert [call["first_row"] for call in first] == [0] and first[0]["machine"]["host_op_us"] > 0
+    info = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**info, "complete": False}))  # as if cut before its last case
+    lines = (out / "records.csv").read_text().splitlines(keepends=True)
+    (out / "records.csv").write_text("".join(lines[:-1]))
     run_in_process(*FAST, f"results_dir={out}", "resume=true")
-    assert len(pd.read_csv(out / "records.csv")) == len(before)  # nothing ran twice
+    after = pd.read_csv(out / "records.csv")
+    assert len(after) == len(before) and after.iloc[-1].system == before.iloc[-1].system  # only the cut case ran
     calls = json.loads((out / "run.json").read_text())["invocations"]
-    assert calls[0] == first[0] and calls[1]["first_row"] == len(before)  # each process that resumed it, in order
+    assert calls[0] == first[0] and calls[1]["first_row"] == len(before) - 1  # each process that resumed it, in order
     assert calls[1]["started_utc"] >= calls[0]["started_utc"]
 
 

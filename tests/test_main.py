@@ -13,13 +13,8 @@ from omegaconf import OmegaConf
 
 from experiments.machine import busy_warning, host_op_us, load_note, machine_state
 from experiments.main import checkpoint_overrides
-from experiments.settings import (
-    check_run_settings,
-    model_choice,
-    results_dir,
-    specter_config,
-    workload,
-)
+from experiments.run_dirs import results_dir
+from experiments.settings import check_run_settings, model_choice, specter_config, workload
 from experiments.summarize import main as summarize_main
 from experiments.summarize import summarize_dir
 from experiments.systems import build_system, known_systems
@@ -99,7 +94,7 @@ def test_main_writes_tables_and_never_overwrites(tmp_path):
     records = pd.read_csv(out / "records.csv")
     assert set(records.system) == {"specter", "target_only"} and len(records) == 4
     assert (records[records.system == "specter"].tokens_match_target == "yes").all()
-    assert "tokens_identical" in first.stdout and "specter" in first.stdout
+    assert "same tokens" in first.stdout and "specter" in first.stdout
     before = (out / "records.csv").read_bytes()
     second = run_main(*args, cwd=ROOT)
     assert second.returncode == 2
@@ -151,7 +146,7 @@ def test_the_default_run_settings_pass():
 def test_a_busy_machine_is_named_in_a_warning_and_the_header():
     assert busy_warning({"load_average_1min": 0.3, "cpu_cores": 2}) is None
     warning = busy_warning({"load_average_1min": 1.9, "cpu_cores": 2})
-    assert warning.startswith("warning: this machine was busy when the run started (load average 1.9 on 2 cores)")
+    assert warning.startswith("warning: this machine was busy when the run started (host load 1.9/2 cores)")
     assert load_note({"load_average_1min": 1.9, "cpu_cores": 2}) == ", host load 1.9/2 cores"
     assert load_note({"load_average_1min": 1.9, "cpu_cores": 2, "host_op_us": 3.6}) == \
         ", host load 1.9/2 cores, 3.6 us per host op"

@@ -1,6 +1,8 @@
 """records.csv: a torn last line (a cut write) is dropped on resume and by summarize, with a message."""
 import json
 
+import pytest
+
 from experiments.records import RecordWriter, read_records
 from experiments.summarize import summarize_dir
 
@@ -52,8 +54,29 @@ def test_the_printed_summary_counts_prompts_in_whole_numbers_and_explains_the_ra
     summary = summarize(pd.DataFrame(rows))
     assert list(summary.prompts) == [2, 2, 2, 2]  # gsm8k and AVG rows
     table = format_table(summary)
-    assert "2.000" not in table and "tpot_over_specter: this system's TPOT / Specter's" in table
+    assert "2.000" not in table and "x Specter: TPOT / Specter's" in table and "medians over decodes" in table
     assert summary[summary.system == "target_only"].tpot_over_specter.iloc[0] == 0.55  # Specter slower
+
+
+def test_the_console_table_shows_medians_in_at_most_120_columns_and_unavailable_rows_as_lines():
+    import pandas as pd
+
+    from experiments.records import FIELDS, format_table, summarize
+    tpots = (4.0, 4.8, 5.0, 116.8)  # one slow decode: the mean is 32.65, the median 4.9
+    rows = [{**dict.fromkeys(FIELDS, ""), **row("specter", r), "tpot_ms": t, "acceptance_rate": 0.9,
+             "h2d_bytes_per_token": 2e6, "tokens_match_target": "yes"} for r, t in enumerate(tpots)]
+    rows.append({**row("mo_sm", 0), "status": "unavailable: " + "a long reason " * 20})
+    summary = summarize(pd.DataFrame(rows))
+    specter = summary[(summary.system == "specter") & (summary.dataset == "gsm8k")].iloc[0]
+    assert specter.tpot_median_ms == 4.9 and specter.tpot_mean_ms == pytest.approx(32.65)
+    assert {"tpot_min_ms", "tpot_max_ms", "hit_rate", "ttft_ms", "tokens_identical"} <= set(summary.columns)
+    table = format_table(summary)
+    lines = table.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert lines[0].split() == ["system", "dataset", "TPOT", "ms", "x", "Specter", "accept", "MB/token", "same",
+                                "tokens"]
+    assert "4.900" in lines[1] and "32.6" not in table
+    assert any(line.startswith("mo_sm / gsm8k: unavailable: a long reason") for line in lines)
 
 
 def test_a_file_from_before_new_columns_is_resumed_with_its_own_header(tmp_path):
@@ -67,7 +90,7 @@ def test_a_file_from_before_new_columns_is_resumed_with_its_own_header(tmp_path)
     frame = read_records(tmp_path / "records.csv")
     assert list(frame.columns) == old_fields and list(frame.tpot_ms) == [10.0]
     summary = summarize(frame)
-    assert "io_floor_ms_per_token" not in summary and list(summary.tpot_ms) == [10.0, 10.0]  # gsm8k, AVG
+    assert "io_floor_ms_per_token" not in summary and list(summary.tpot_median_ms) == [10.0, 10.0]  # gsm8k, AVG
 
 
 def test_the_summary_has_the_floor_and_the_host_paths_bytes_where_measured():
@@ -80,7 +103,7 @@ def test_the_summary_has_the_floor_and_the_host_paths_bytes_where_measured():
     rows.append(row("target_only", 0))
     summary = summarize(pd.DataFrame(rows).assign(tokens_match_target="")).set_index(["system", "dataset"])
     specter = summary.loc[("specter", "gsm8k")]
-    assert specter.tpot_ms == 10.5 and specter.tpot_over_io_floor == 10.5 / 5.0
+    assert specter.tpot_median_ms == 10.5 and specter.tpot_over_io_floor == 10.5 / 5.0
     assert specter.io_floor_both_paths_ms_per_token == 4.0 and specter.host_expert_mb_per_token == 2.0
     assert pd.isna(summary.loc[("target_only", "gsm8k")].tpot_over_io_floor)
 
@@ -100,6 +123,6 @@ def test_summarize_by_host_splits_rows_at_each_invocations_first_row(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps(run))
     summary = summarize_dir(tmp_path, by_host=True).set_index(["system", "host_op_us"])
     assert (tmp_path / "summary-by-host.csv").is_file() and not (tmp_path / "summary.csv").exists()
-    assert summary.loc[("specter", 4.7), "tpot_median_ms"] == 10.5 and summary.loc[("specter", 9.0), "tpot_ms"] == 12
+    assert summary.loc[("specter", 4.7), "tpot_median_ms"] == 10.5 and summary.loc[("specter", 9.0), "tpot_mean_ms"] == 12
     assert summary.loc[("target_only", 4.7), "tpot_over_specter"] == pytest.approx(35 / 10.5)
     assert summary.loc[("target_only", 9.0), "tpot_over_specter"] == pytest.approx(50 / 12)
