@@ -88,7 +88,7 @@ def run_kernel(cfg, out_dir: Path, open_writer):
         writer.add({"system": "fused_int4", "dataset": "-", "prompt_id": -1,
                     "status": "unavailable: the kernel benchmark times Triton kernels on a CUDA GPU"})
         return "kernel: no CUDA device", SUMMARY_KEYS["kernel"]
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_kernel.py"), "--out", str(out_dir)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_kernel.py"), "--out", str(out_dir)]
     subprocess.run(cmd, check=True)
     return f"kernel: table in {out_dir / 'kernel.csv'}", SUMMARY_KEYS["kernel"]
 

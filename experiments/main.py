@@ -97,6 +97,12 @@ def system_overrides(argv: list[str]) -> list[str]:
     return [f"systems=[{name}]" if arg is chosen[0] else arg for arg in argv]
 
 
+def token_cap_overrides(argv: list[str]) -> list[str]:
+    """argv with `token_caps.X=N` written as `++token_caps.X=N` (token_caps starts empty: any system can be
+    capped without a list of every system's name)."""
+    return [f"++{arg}" if arg.startswith(("token_caps.", "token_caps=")) else arg for arg in argv]
+
+
 def check_known_keys(cfg: DictConfig) -> None:
     """One-line error for a top-level key that no code reads (`+foo=1`), before anything runs."""
     base = OmegaConf.load(CONF / "config.yaml")
@@ -171,7 +177,7 @@ if __name__ == "__main__":
         print(usage(CONF))
         sys.exit(0)
     try:
-        sys.argv[1:] = checkpoint_overrides(system_overrides(sys.argv[1:]))
+        sys.argv[1:] = checkpoint_overrides(token_cap_overrides(system_overrides(sys.argv[1:])))
         check_group_choices(sys.argv[1:])
     except SpecterError as err:
         print(f"error: {err}", file=sys.stderr)

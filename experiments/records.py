@@ -11,13 +11,14 @@ import pandas as pd
 
 from specter.metrics import GenerationResult
 
-FLOOR_STATS = ("io_floor_ms_per_token", "io_floor_both_paths_ms_per_token", "host_expert_bytes_per_token")
+FLOOR_STATS = ("io_floor_ms_per_token",)
 ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_length", "iterations",
              "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
              "h2d_bytes_per_token", "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
              "prefetch_precision", "prefetch_recall", "throughput_tok_s", *FLOOR_STATS)
 KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size")
-FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target", "token_agreement")
+FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target", "token_agreement",
+          "mechanisms")
 
 
 def record(key: dict, result: GenerationResult, reference: list[int] | None) -> dict:
@@ -25,9 +26,15 @@ def record(key: dict, result: GenerationResult, reference: list[int] | None) -> 
     row = {**key, "status": "ok"}
     row.update({stat: result.stats.get(stat, float("nan")) for stat in ROW_STATS})
     row["accepted_length_histogram"] = json.dumps(result.stats.get("accepted_length_histogram", {}))
+    row["mechanisms"] = mechanisms_ran(result.stats.get("mechanisms"))
     row["tokens_match_target"] = "" if reference is None else ("yes" if result.token_ids == reference else "no")
     row["token_agreement"] = "" if reference is None else token_agreement(result.token_ids, reference)
     return row
+
+
+def mechanisms_ran(mechanisms: dict | None) -> str:
+    """records.csv's `mechanisms`: the mechanisms that ran, space-separated ("" for a system without them)."""
+    return " ".join(name for name, state in (mechanisms or {}).items() if state == "on")
 
 
 def token_agreement(tokens: list[int], reference: list[int]) -> float:
@@ -130,8 +137,6 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
     ok = ok.assign(tpot_median_ms=ok.tpot_ms, tpot_mean_ms=ok.tpot_ms, tpot_min_ms=ok.tpot_ms, tpot_max_ms=ok.tpot_ms)
     summary = ok.groupby(list(by), sort=False).agg(metrics).reset_index().rename(columns={"prompt_id": "prompts"})
     summary["h2d_mb_per_token"] = summary.pop("h2d_bytes_per_token") / 1e6
-    if "host_expert_bytes_per_token" in summary:
-        summary["host_expert_mb_per_token"] = summary.pop("host_expert_bytes_per_token") / 1e6
     if "io_floor_ms_per_token" in summary:
         summary["tpot_over_io_floor"] = summary.tpot_median_ms / summary.io_floor_ms_per_token
     summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]

@@ -146,11 +146,11 @@ def specter_options(options, where: str = "") -> dict:
 
 def specter_config(cfg, spec: ModelSpec, k: int | None = None) -> SpecterConfig:
     """The run's SpecterConfig: the `specter` group's options (cfg.specter) and the derived fields: k (the
-    argument, else cfg.k: null = the model's default, auto = the best K found by experiment=depth for this
+    argument, else cfg.k: null = the model's depth-profiled K for the memory preset, else its default, auto = the best K found by experiment=depth for this
     model and memory setting), the resident experts per layer (mem), temperature and seed. SpecterConfig
     checks every value."""
     if k is None:
-        default = int(cfg.model.get("default_k") or spec.default_k)
+        default = spec.depth_k.get(cfg.mem.get("preset")) or int(cfg.model.get("default_k") or spec.default_k)
         k = default if cfg.k is None else (profiled_k(cfg, spec) if cfg.k == "auto" else cfg.k)
     return SpecterConfig(k=k, resident_experts_per_layer=resident_slots(cfg, spec), temperature=cfg.temperature,
                          seed=cfg.seed, **specter_options(cfg.specter))
@@ -187,7 +187,10 @@ def check_run_settings(cfg) -> None:
         whole_number(cfg.warmup_tokens, "warmup_tokens", 0, " or null")
     if cfg.k is not None and cfg.k != "auto":
         whole_number(cfg.k, "k", 1, ", null or auto")
+    known = {p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "system").glob("*.yaml")}
     for name, value in (cfg.get("token_caps") or {}).items():
+        if name not in known:
+            raise SpecterError(f"token_caps.{name}: unknown system {name!r}; known: {', '.join(sorted(known))}")
         if value is not None:
             whole_number(value, f"token_caps.{name}", 1, " or null")
     systems = cfg.get("systems")

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from baselines.target_only import TargetOnly
 from experiments.settings import specter_options
-from specter.config import SpecterConfig
+from specter.config import PAPER_DESIGN, SpecterConfig
 from specter.engine import SpecterEngine
 from specter.errors import SpecterError
 from specter.models.hybrid import HybridMoEModel
@@ -40,6 +40,12 @@ def build_system(name: str, model: HybridMoEModel, config: SpecterConfig):
 def make_specter(model: HybridMoEModel, specter_config: SpecterConfig) -> SpecterEngine:
     """Specter with the run's config (an ablation's option file has already set its fields)."""
     return SpecterEngine(model, specter_config)
+
+
+def make_specter_paper(model: HybridMoEModel, specter_config: SpecterConfig) -> SpecterEngine:
+    """Specter as the paper designs it: the run's config with this project's mechanisms off
+    (`SpecterConfig.paper()`); the paper's ablations set their one field on top of it."""
+    return SpecterEngine(model, dataclasses.replace(specter_config, **PAPER_DESIGN))
 
 
 def make_target_only(model: HybridMoEModel, specter_config: SpecterConfig) -> TargetOnly:

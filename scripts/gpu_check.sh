@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
 #   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|spread|calibration|report|batch|llamacpp|hostcost ...]
-#   (default: tests profile overlap kernel offload, in this order)
+#   (default: tests profile overlap kernel offload, in this order; the benchmarks it runs are in benchmarks/)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes (PROFILE_ARGS=--compile
 # adds the torch.compile'd step beside it: compile time, same tokens, replay ratio); overlap: when the copy
 # stream idles during offloaded dsv2 decoding, and which kernels run then; kernel: the fused INT4
-# kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) Specter and
-# OFFLOAD_VARIANTS (default: no spare rows, 8 spare rows, no early read, the defaults again), each row
-# printed as measured, with a host profile, then qwen K=8 in full.
+# kernel table at T=1 and 16 (eager and CUDA-graph replay); offload: dsv2 (mem=high, K=8) the paper's design,
+# Specter and OFFLOAD_VARIANTS (bench_offload --variants, none by default, e.g. "pooled_slots=0 paper,prefetch=false"),
+# each row printed as measured, with a host profile, then qwen K=8 in full (target-only on demand too).
 # depth: experiment=depth (Specter's TPOT per K, best K to best_k.json for k=auto) on MODELS x MEMS, DEPTH_KS
 # (default 4,8,12,16,24,32), DEPTH_PROMPTS (default 1) per dataset, into REPORT_DIR/depth/<model>-<mem>
 # (RESUME=force continues runs whose config differs only by options added since, at their defaults).
-# report: the harness with every system (or SYSTEMS, e.g. issue 21's table: specter,specter_residual,
-# specter_residual_cudart,specter_host_experts,specter_residual_host,target_only,mo_sm,specmoeoff_sm) on
+# report: the harness with every system (or SYSTEMS, e.g. specter,specter_paper,target_only,mo_sm,specmoeoff_sm) on
 # MODELS x MEMS (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS
 # (default 1), TF_CAP (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g.
 # k=8 or k=auto, which reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
@@ -33,28 +32,27 @@
 # on CUDA through the harness.
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
 # the host's cost per load; BENCH_ARGS=--variants adds the kernel's variants), then dsv2 K=8 at MEMS (default
-# "low high"), RESIDUAL_PROMPTS (default 1) prompts, with Specter raw and RESIDUAL_VARIANTS (default: copies
-# issued through cudart; residual transfer, with a decode launch per load, with cudart copies; host experts,
-# with 12 worker threads; residual + host experts), each row printed from OUT/residual-<mem>.log as measured.
-# host: one expert on the host CPU (bench_host_experts.py: dtypes x threads x tokens, the runtime's estimate)
-# beside its PCIe copy, for dsv2 and phi.
+# "low high"), RESIDUAL_PROMPTS (default 1) prompts, with the paper's design, Specter and RESIDUAL_VARIANTS
+# (default: Specter with raw copies, residual_transfer=false; the paper's design with residual transfer), each
+# row printed from OUT/residual-<mem>.log as measured.
 # hostcost: the GPU tests of the grouped residual paths and of the wave bench, then the host's microseconds per
 # verify wave by wave size (bench_wave_host.py, dsv2 and qwen) and per residual load on every load path
 # (bench_residual.py, dsv2; the grouped paths split into joining a group and its launch).
 # spread: calibrated dsv2 mem=low, K=32 (SPREAD_MEM, SPREAD_K), the built-in prompts decoded 3 times each
-# (SPREAD_REPEATS) by Specter and the three options of issue 21 (residual transfer, draft-ahead, draft_compile),
-# TPOT min-max per system and a host profile of one more decode of each (bench_offload.py --repeats).
-# ahead: the GPU tests of draft-ahead, its branch and SideSteps, then calibrated dsv2 (AHEAD_MEM, default high;
-# AHEAD_K, default 32; AHEAD_REPEATS decodes of the built-in prompts, default 2) with Specter and AHEAD_VARIANTS
-# (default: the three options, draft_ahead_prompt on; the same with pooled slots, waves of every slot and grouped
-# copies: session 36's fastest at dsv2 mem=low with AHEAD_MEM=low), each row as measured, with the host's time in draft-ahead's
-# launch and the windows drafted ahead, by the branch and from the prompt (OUT/ahead/offload.csv); AHEAD_ARGS adds
-# bench_offload flags, e.g. --interleave (the systems take turns round by round; each variant's x Specter printed).
+# (SPREAD_REPEATS) by the paper's design and Specter, TPOT min-max per system, Specter's TPOT over the paper
+# design's, and a host profile of one more decode of each (bench_offload.py --repeats).
+# ahead: the GPU tests of draft-ahead and SideSteps, then calibrated dsv2 (AHEAD_MEM, default high; AHEAD_K,
+# default 32; AHEAD_REPEATS decodes of the built-in prompts, default 2) with the paper's design, Specter and
+# AHEAD_VARIANTS (default: Specter without draft-ahead, draft_ahead=false), each row as measured, with the host's
+# time in draft-ahead's launch and the windows drafted ahead and from the prompt (OUT/ahead/offload.csv); AHEAD_ARGS
+# adds bench_offload flags, e.g. --interleave (the systems take turns round by round; each variant's x Specter printed).
 # calibration: each of CAL_MODELS (default "phi mixtral") calibrated at its real depth in fp16, the registry's
 # profile as committed: routing against the real row, Specter's acceptance with RTN and GPTQ drafts
 # (fit_calibration.py --check-only --check-gptq, CAL_PROMPTS per dataset, default 1; phi about 250 s, mixtral 300 s:
 # one model per device call).
-# The log is written line by line, so a run cut by the call limit keeps what it printed.
+# The log is written line by line, so a run cut by the call limit keeps what it printed; the benchmarks' CSVs
+# likewise row by row, each row with its commit, host and workload (SPECTER_COMMIT=<commit> names the commit
+# where the checkout has no .git, as on a device machine's copy).
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
 # Each step prints a short table and keeps going if another fails.
 set -uo pipefail
@@ -76,42 +74,35 @@ for step in "${STEPS[@]}"; do
   case "$step" in
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu_tests.log" 2>&1; rc=$?
            grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3; grep -E "^FAILED" "$OUT/gpu_tests.log" ;;
-    profile) python3 scripts/profile_draft.py --model dsv2 --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | grep -v -i -E "warn|^W[0-9]{4} "
+    profile) python3 benchmarks/profile_draft.py --model dsv2 --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | grep -v -i -E "warn|^W[0-9]{4} "
              rc=${PIPESTATUS[0]} ;;
-    overlap) python3 scripts/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
+    overlap) python3 benchmarks/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
              rc=${PIPESTATUS[0]} ;;
-    residual) python3 scripts/bench_residual.py --models dsv2 phi --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn
+    residual) python3 benchmarks/bench_residual.py --models dsv2 phi --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn
               rc=${PIPESTATUS[0]}
-              for mem in ${MEMS:-low high}; do  # Specter raw vs residual transfer, same model and process
-                python3 scripts/bench_offload.py --models dsv2 --k 8 --mem "$mem" --quick --out "$OUT/residual-$mem" \
+              for mem in ${MEMS:-low high}; do  # raw copies vs residual transfer, same model and process
+                python3 benchmarks/bench_offload.py --models dsv2 --k 8 --mem "$mem" --quick --out "$OUT/residual-$mem" \
                   --prompts "${RESIDUAL_PROMPTS:-1}" --weights "${WEIGHTS:-synthetic}" \
-                  --variants ${RESIDUAL_VARIANTS:-copy_issue=cudart residual_transfer=true \
-                  residual_transfer=true,residual_decode_group=1 residual_transfer=true,copy_issue=cudart \
-                  host_experts=true host_experts=true,host_expert_threads=12 residual_transfer=true,host_experts=true} \
+                  --variants ${RESIDUAL_VARIANTS:-residual_transfer=false paper,residual_transfer=true} \
                   > "$OUT/residual-$mem.log" 2>&1 || rc=1
                 grep -E "^== |^   [a-z_=,.0-9]+: [0-9]+ s;|Error" "$OUT/residual-$mem.log" | cut -c1-300  # the log keeps every row
               done ;;
-    host) python3 scripts/bench_host_experts.py --models dsv2 phi --out "$OUT" 2>&1 | grep -v -i warn
-          rc=${PIPESTATUS[0]} ;;
     hostcost) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_bench_wave_host.py \
                 -k "residual_transfer_on_cuda or wave_size" > "$OUT/hostcost_tests.log" 2>&1; rc=$?
               grep -E "passed|failed|error" "$OUT/hostcost_tests.log" | tail -2
-              python3 scripts/bench_wave_host.py --models dsv2 qwen --out "$OUT" 2>&1 | grep -v -i warn
+              python3 benchmarks/bench_wave_host.py --models dsv2 qwen --out "$OUT" 2>&1 | grep -v -i warn
               [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-              python3 scripts/bench_residual.py --models dsv2 --repeats 5 --out "$OUT" 2>&1 | grep -v -i warn
+              python3 benchmarks/bench_residual.py --models dsv2 --repeats 5 --out "$OUT" 2>&1 | grep -v -i warn
               [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
-    spread) python3 scripts/bench_offload.py --models dsv2 --mem "${SPREAD_MEM:-low}" --k "${SPREAD_K:-32}" --quick \
-              --weights calibrated --repeats "${SPREAD_REPEATS:-3}" --host-profile --out "$OUT/spread" \
-              --variants residual_transfer=true,draft_ahead=true,draft_compile=true 2>&1 \
+    spread) python3 benchmarks/bench_offload.py --models dsv2 --mem "${SPREAD_MEM:-low}" --k "${SPREAD_K:-32}" --quick \
+              --weights calibrated --repeats "${SPREAD_REPEATS:-3}" --host-profile --out "$OUT/spread" 2>&1 \
               | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]} ;;
     ahead) python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft_ahead or side_steps" \
              > "$OUT/ahead_tests.log" 2>&1; rc=$?
            grep -E "passed|failed|error" "$OUT/ahead_tests.log" | tail -2; grep -E "^FAILED" "$OUT/ahead_tests.log"
-           python3 scripts/bench_offload.py --models dsv2 --mem "${AHEAD_MEM:-high}" --k "${AHEAD_K:-32}" --quick \
-             --weights calibrated --repeats "${AHEAD_REPEATS:-2}" ${AHEAD_ARGS:-} --out "$OUT/ahead" --variants ${AHEAD_VARIANTS:-\
-             residual_transfer=true,draft_ahead=true,draft_compile=true \
-             residual_transfer=true,draft_ahead=true,draft_compile=true,verify_pooled_slots=2,verify_wave=-1,residual_group_copies=true} \
-             2>&1 | grep --line-buffered -v -i -E "warn|max_cache_len" | tee "$OUT/ahead.log" \
+           python3 benchmarks/bench_offload.py --models dsv2 --mem "${AHEAD_MEM:-high}" --k "${AHEAD_K:-32}" --quick \
+             --weights calibrated --repeats "${AHEAD_REPEATS:-2}" ${AHEAD_ARGS:-} --out "$OUT/ahead" \
+             --variants ${AHEAD_VARIANTS:-draft_ahead=false} 2>&1 | grep --line-buffered -v -i -E "warn|max_cache_len" | tee "$OUT/ahead.log" \
              | grep -E "^   [a-z_=,0-9-]+: (interleaved, )?[0-9]+ s"; [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     calibration) rc=0  # each model's committed profile at its real depth: routing, RTN and GPTQ acceptance
               for model in ${CAL_MODELS:-phi mixtral}; do
@@ -120,13 +111,12 @@ for step in "${STEPS[@]}"; do
                   --out "$OUT/calibration-$model.json" 2>&1 | grep --line-buffered -v -E "^\[transformers\]" \
                   | tee "$OUT/calibration-$model.log" | tail -5; rc=$((rc | PIPESTATUS[0]))
               done ;;
-    kernel) python3 scripts/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
+    kernel) python3 benchmarks/bench_kernel.py --out "$OUT" --tokens 1 16 2>&1 | grep -v -i warn | tail -9
             rc=${PIPESTATUS[0]} ;;
-    offload) python3 scripts/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
-               --weights "${WEIGHTS:-synthetic}" \
-               --variants ${OFFLOAD_VARIANTS:-spare_rows=0 spare_rows=8 early_read_fraction=0 spare_rows=4} 2>&1 \
+    offload) python3 benchmarks/bench_offload.py --models dsv2 --k 8 --out "$OUT/dsv2" --quick --host-profile \
+               --weights "${WEIGHTS:-synthetic}" --variants ${OFFLOAD_VARIANTS:-} 2>&1 \
                | grep -v -i -E "warn|max_cache_len"; rc=${PIPESTATUS[0]}
-             python3 scripts/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" --weights "${WEIGHTS:-synthetic}" 2>&1 \
+             python3 benchmarks/bench_offload.py --models qwen --k 8 --out "$OUT/qwen" --weights "${WEIGHTS:-synthetic}" 2>&1 \
                | grep -v -i -E "warn|max_cache_len" | tail -8; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     depth) rc=0
            for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
@@ -147,7 +137,7 @@ for step in "${STEPS[@]}"; do
               fi
               timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
                 model.weights="${WEIGHTS:-synthetic}" dataset=all \
-                "systems=[${SYSTEMS:-specter,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp}]" \
+                "systems=[${SYSTEMS:-specter,specter_paper,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp}]" \
                 num_prompts="${NUM_PROMPTS:-1}" repeats="${REPEATS:-1}" token_caps.transformers="${TF_CAP:-8}" \
                 results_root="${REPORT_DIR:-.report}" results_dir="$dir" resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
               grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"

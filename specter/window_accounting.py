@@ -73,27 +73,12 @@ class WindowAccounting:
         return stats
 
 
-def floor_with_host(floor_ms: float, stats: dict, bytes_per_ms: float) -> float | None:
-    """The I/O floor when the host shares the missing experts (host_experts): both paths at their measured
-    rates, in parallel (c ms per load over PCIe, h ms per one-token expert on the CPU: floor * h / (c + h)).
-    A derived bound, not a measurement; None without host experts."""
-    cost = stats.get("host_expert_cost")
-    if not cost:
-        return None
-    copy_ms = stats["expert_load_bytes"] / bytes_per_ms
-    host_ms = cost["fixed_ms"] + cost["per_token_ms"]
-    return floor_ms * host_ms / (copy_ms + host_ms)
-
-
 def floor_stats(stats: dict) -> dict:
     """Per generated token: the I/O floor in ms at the request's measured copy rate (io_floor_bytes /
-    (h2d_bytes / h2d_busy_ms)), the floor with the host sharing the missing experts (None without
-    host experts) and the bytes the host experts moved instead (their hidden rows and outputs)."""
+    (h2d_bytes / h2d_busy_ms))."""
     tokens = max(stats.get("generated_tokens", 0), 1)
-    out = {"host_expert_bytes_per_token": stats.get("host_expert_bytes", 0) / tokens}
+    out = {}
     if stats.get("h2d_busy_ms", 0) > 0 and stats.get("h2d_bytes", 0) > 0:
         bytes_per_ms = stats["h2d_bytes"] / stats["h2d_busy_ms"]
-        floor = stats["io_floor_bytes"] / bytes_per_ms / tokens
-        out["io_floor_ms_per_token"] = floor
-        out["io_floor_both_paths_ms_per_token"] = floor_with_host(floor, stats, bytes_per_ms)
+        out["io_floor_ms_per_token"] = stats["io_floor_bytes"] / bytes_per_ms / tokens
     return out

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.main import check_group_choices, checkpoint_overrides, run, system_overrides
+from experiments.main import check_group_choices, checkpoint_overrides, run, system_overrides, token_cap_overrides
 from specter.errors import SpecterError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -23,7 +23,7 @@ def cli_error(tmp_path: Path, monkeypatch, *args: str) -> str:
     exits with 2 (tests/test_main.py::test_the_command_line_prints_one_line_and_exits_2 runs that for real)."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SpecterError) as info:
-        overrides = checkpoint_overrides(system_overrides(list(args)))
+        overrides = checkpoint_overrides(token_cap_overrides(system_overrides(list(args))))
         check_group_choices(overrides)
         run(compose_with(*overrides))
     return str(info.value)

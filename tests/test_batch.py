@@ -112,7 +112,7 @@ def test_batch_equals_solo_on_cuda_with_offload(name):
     model = specter.load_model(name, device="cuda", dtype=torch.float16)
     engine = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2))
     batch = engine.generate(PROMPTS, 24)
-    assert batch[0].stats["draft_graph"] == "on"  # the batched draft step replays a captured graph
+    assert batch[0].stats["draft_graph"].startswith("on")  # the batched draft step replays a captured graph
     assert [r.token_ids for r in batch] == solo(engine, PROMPTS, 24)
     assert batch[0].stats["h2d_bytes"] > 0
 

@@ -1,4 +1,4 @@
-"""scripts/bench_host_path.py: the verify pass's host path on CPU with CUDA faked."""
+"""benchmarks/bench_host_path.py: the verify pass's host path on CPU with CUDA faked."""
 import pytest
 
 from specter.offload.stream_waits import StreamWaits
@@ -15,11 +15,11 @@ def work():
 def test_each_variant_verifies_the_same_windows_with_every_wait_on_a_recorded_event(work):
     """The fakes fail on a wait for an event never recorded; the loads depend on the windows alone."""
     rows = [bench.measure(bench.HostPathOptions(**fields), work, repeats=1)
-            for fields in ({}, {"wave": -1, "group_copies": True}, {"group": 1}, {"cudart": True})]
+            for fields in ({}, {"wave": 0}, {"group": 1}, {"group_copies": False})]
     assert len({round(row["loads_per_layer"], 6) for row in rows}) == 1 and rows[0]["loads_per_layer"] > 30
-    assert rows[1]["waves_per_layer"] < rows[0]["waves_per_layer"]  # a wave of every slot: fewer waves
+    assert rows[1]["waves_per_layer"] > rows[0]["waves_per_layer"]  # waves of half the slots: more waves
     assert rows[2]["decode_launches_per_layer"] == rows[2]["loads_per_layer"]  # groups of 1: a launch per load
-    assert rows[3]["stream_switches_per_layer"] < rows[0]["stream_switches_per_layer"]  # no switch per copy
+    assert rows[3]["copies_per_layer"] == rows[3]["loads_per_layer"] > rows[0]["copies_per_layer"]  # one by one
     assert all(row["cuda_calls_per_layer"] > 0 and row["us_per_layer"] > 0 for row in rows)
 
 
@@ -31,27 +31,25 @@ def test_the_stream_waits_spare_calls_without_changing_the_work(work, monkeypatc
     assert with_memo["loads_per_layer"] == without["loads_per_layer"]
     assert with_memo["waves_per_layer"] == without["waves_per_layer"]
     assert with_memo["waits_per_layer"] < 0.7 * without["waits_per_layer"]
-    assert with_memo["queries_per_layer"] < without["queries_per_layer"]
+    assert with_memo["queries_per_layer"] <= without["queries_per_layer"]
 
 
 def test_the_command_prints_a_row_per_variant_and_rejects_unknown_options(capsys):
-    assert bench.main(["--windows", "1", "--repeats", "1", "--variants", "wave=-1,group_copies=true"]) == 0
+    assert bench.main(["--windows", "1", "--repeats", "1", "--variants", "pooled=0,group_copies=false"]) == 0
     out = capsys.readouterr().out
-    assert "defaults: " in out and "wave=-1,group_copies=true: " in out and "x the defaults' host us" in out
+    assert "defaults: " in out and "pooled=0,group_copies=false: " in out and "x the defaults' host us" in out
     assert bench.main(["--windows", "1", "--variants", "waves=2"]) == 2
     assert "unknown or empty option 'waves=2'" in capsys.readouterr().err
     assert bench.parse_variant("group_copies=yes,slots=8") == {"group_copies": True, "slots": 8}
 
 
-def test_pooled_slots_are_the_same_rows_as_fewer_slots_and_more_spares_lent(work):
-    """pooled=2 at 4 slots and 4 spare rows verifies exactly as 2 slots, 4 + 2 x layers spare rows lent."""
-    layers = bench.HostPathOptions().layers
-    pooled, by_hand = (bench.measure(bench.HostPathOptions(**fields), work, repeats=1)
-                       for fields in ({"pooled": 2}, {"slots": 2, "spare_rows": 4 + 2 * layers, "spare_slots": True}))
-    keys = ("loads_per_layer", "waves_per_layer", "decode_launches_per_layer", "cuda_calls_per_layer")
-    assert [pooled[key] for key in keys] == [by_hand[key] for key in keys]
-    plain = bench.measure(bench.HostPathOptions(), work, repeats=1)
+def test_pooled_slots_verify_in_far_fewer_waves_than_a_layers_own_slots(work):
+    """The defaults (2 slots of each layer pooled, waves of every slot) against no pooled slots (the runtime's
+    waves of half the slots), in the same rows."""
+    assert bench.HostPathOptions().verify_wave == -1 and bench.HostPathOptions(pooled=0).verify_wave == 0
+    pooled, plain = (bench.measure(bench.HostPathOptions(**fields), work, repeats=1) for fields in ({}, {"pooled": 0}))
     assert pooled["waves_per_layer"] < 0.25 * plain["waves_per_layer"]
+    assert pooled["decode_launches_per_layer"] < plain["decode_launches_per_layer"]
 
 
 def test_a_decode_group_never_outgrows_the_staging_rows(work):

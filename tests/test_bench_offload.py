@@ -1,6 +1,8 @@
-"""scripts/bench_offload.py's summary of runs (on CPU stats: the script itself needs a GPU)."""
+"""benchmarks/bench_offload.py's summary of runs (on CPU stats: the script itself needs a GPU)."""
+import dataclasses
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,10 +62,13 @@ def test_host_profile_lists_functions_and_the_callers_of_host_waits(tmp_path, ca
     assert "ncalls" in capsys.readouterr().out
 
 
-def test_bench_offload_rejects_zero_repeats(monkeypatch):
+def test_bench_offload_rejects_zero_repeats_and_a_system_twice(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_offload.py", "--repeats", "0"])
     with pytest.raises(SystemExit, match="--repeats must be at least 1, got 0"):
         bench.main()
+    for variants in (["paper"], ["prefetch=false", "prefetch=false"]):
+        with pytest.raises(SystemExit, match="--variants repeats a system"):
+            bench.main(["--variants", *variants])
 
 
 def load_simulation():
@@ -76,7 +81,7 @@ def test_byte_simulation_counts_on_a_tiny_model():
     config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, cuda_graph=False)
     row = sim.measure(model, config, [prompt(), prompt("def f(x):")], 16)
     assert row["bytes_over_floor"] >= 1 and row["decode_loads_per_token"] >= row["floor_loads_per_token"] > 0
-    assert row["pcie_mb_per_token"] > 0 and row["host_runs_per_token"] == 0
+    assert row["pcie_mb_per_token"] > 0 and "host_runs_per_token" not in row
     mo_sm = sim.measure_mo_sm(model, 1, [prompt()], 8)
     assert mo_sm["slots"] >= 1 and mo_sm["pcie_mb_per_token"] > 0
     extra = sum(row[f"reload_{cause}_per_token"] for cause in ("prefetch", "ahead", "verify"))
@@ -98,12 +103,14 @@ def test_byte_simulation_rejects_bad_arguments_before_building(monkeypatch, argv
         sim.main()
 
 
-def test_variants_parse_numbers_and_names():
-    assert bench.parse_variant("early_read_fraction=0.25,initial_chunk=1,eviction=popularity") == {
-        "early_read_fraction": 0.25, "initial_chunk": 1, "eviction": "popularity"}
-    config = specter.SpecterConfig(**bench.parse_variant("early_read_fraction=0"))
-    assert config.early_read_fraction == 0
+def test_variants_parse_numbers_and_names_and_start_from_the_paper_design():
+    assert bench.parse_variant("top_p=0.5,pooled_slots=0,eviction=popularity") == {
+        "top_p": 0.5, "pooled_slots": 0, "eviction": "popularity"}
     assert specter.SpecterConfig(**bench.parse_variant("prefetch=false,cuda_graph=True")).prefetch is False
+    paper = specter.SpecterConfig(**bench.parse_variant("paper,prefetch=false"))
+    assert paper == bench.paper_config(prefetch=False) and not paper.residual_transfer and paper.pooled_slots == 0
+    with pytest.raises(SystemExit, match="takes \\[paper,\\]key=value"):
+        bench.parse_variant("prefetch")
 
 
 class _Recorder:
@@ -133,26 +140,44 @@ def test_measure_interleaved_gives_each_variant_its_ratio_to_specter(capsys):
     model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
     prompts = [prompt(), prompt("def f(x):")]
     reference = [r["tokens"] for r in bench.run(TargetOnly(model), prompts, 8)]
-    options = bench.BenchOptions(new_tokens=8, quick=True, variants=("verify_wave=-1",), repeats=2, interleave=True)
-    systems, base_of = bench.build_systems(model, 2, [3], options)
-    assert [label for label, _ in systems] == ["specter", "specter_verify_wave=-1"]
-    assert base_of == {"specter_verify_wave=-1": "specter"}
-    rows = bench.measure(systems, base_of, prompts, reference, options)
-    specter_row, variant = rows
+    options = bench.BenchOptions(new_tokens=8, quick=True, variants=("prefetch=false",), repeats=2, interleave=True)
+    systems, compare = bench.build_systems(model, 2, [3], options)
+    assert [label for label, _ in systems] == ["specter_paper", "specter", "specter_prefetch=false"]
+    assert compare == {"specter": ("specter_paper", "tpot_over_paper"),
+                       "specter_prefetch=false": ("specter", "tpot_over_specter")}
+    written = []
+    rows = bench.measure(systems, compare, prompts, reference, options, lambda row: written.append(row) or row)
+    paper, specter_row, variant = rows
+    assert written == rows and paper["tpot_over_paper"] is None is paper["tpot_over_specter"]
+    assert specter_row["tpot_over_paper"] == pytest.approx(specter_row["tpot_ms"] / paper["tpot_ms"])
     assert specter_row["tpot_over_specter"] is None and variant["tokens_match_resident"] == 1.0
     assert variant["tpot_over_specter"] == pytest.approx(variant["tpot_ms"] / specter_row["tpot_ms"])
     out = capsys.readouterr().out
     assert "interleaved" in out and f"{variant['tpot_over_specter']:.3f}x specter's TPOT" in out
+    assert f"{specter_row['tpot_over_paper']:.3f}x specter_paper's TPOT" in out
     bench.print_table([dict(row, k=3) for row in rows])
-    assert f"{variant['tpot_over_specter']:.3f}x Specter's TPOT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"{variant['tpot_over_specter']:.3f}x Specter's TPOT" in out
+    assert f"specter: {specter_row['tpot_over_paper']:.3f}x the paper design's TPOT" in out
 
 
-def test_a_variant_may_trade_slots_for_spare_rows():
-    """The same rows as 2 slots + 4 spares on tiny's 3 layers: 1 slot + 7 spares, lent to each verify layer."""
-    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
-    options = bench.BenchOptions(new_tokens=8, quick=True,
-                                 variants=("resident_experts_per_layer=1,spare_rows=7,verify_spare_slots=true",))
-    (_, base), (_, variant) = bench.build_systems(model, 2, [3], options)[0]
-    assert (base.config.resident_experts_per_layer, base.config.spare_rows) == (2, 4)
-    assert (variant.config.resident_experts_per_layer, variant.config.spare_rows) == (1, 7)
-    assert variant.generate(prompt(), 8).token_ids == base.generate(prompt(), 8).token_ids
+def test_the_paper_system_is_the_paper_design_and_specter_the_defaults(monkeypatch):
+    """The configs asked for (an engine's own config is what ran: on a CPU the CUDA mechanisms are off)."""
+    monkeypatch.setattr(bench.specter, "SpecterEngine", lambda model, config: SimpleNamespace(config=config))
+    monkeypatch.setattr(bench, "TargetOnly", lambda model, slots: SimpleNamespace(slots=slots))
+    options = bench.BenchOptions(variants=("paper,prefetch=false",))
+    systems = bench.build_systems("a model", 2, [3, 8], options)[0]
+    assert [label for label, _ in systems] == ["target_only_offload"] + [
+        f"specter{name}_k{k}" for k in (3, 8) for name in ("_paper", "", "_paper,prefetch=false")]
+    _, (_, paper), (_, default), (_, ablation) = systems[:4]
+    assert default.config == specter.SpecterConfig(k=3, resident_experts_per_layer=2)
+    assert paper.config == specter.SpecterConfig(k=3, resident_experts_per_layer=2, **bench.PAPER)
+    assert ablation.config == dataclasses.replace(paper.config, prefetch=False)
+    mechanisms = bench.mechanisms_text({"prefetch": "on", "draft_ahead": "off: no CUDA"})
+    assert mechanisms == "prefetch=on; draft_ahead=off: no CUDA" and bench.mechanisms_text(None) is None
+
+
+def test_default_k_is_the_depth_profile_where_the_model_has_one():
+    profiled = SimpleNamespace(default_k=16, k_for=lambda mem: {"low": 32}.get(mem))
+    assert bench.default_k(profiled, "low") == 32 and bench.default_k(profiled, "high") == 16
+    assert bench.default_k(SimpleNamespace(default_k=4), "low") == 4

@@ -1,4 +1,4 @@
-"""scripts/bench_residual.py's split of a grouped load's host time (the timing itself needs a GPU)."""
+"""benchmarks/bench_residual.py's split of a grouped load's host time (the timing itself needs a GPU)."""
 from tests.scripts import load_script
 
 bench_residual = load_script("bench_residual")

@@ -1,18 +1,18 @@
-"""scripts/bench_wave_host.py: a clear error without a GPU; on a GPU, one row per wave size, checked rows."""
+"""benchmarks/bench_wave_host.py: a clear error without a GPU; on a GPU, one row per wave size, checked rows."""
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.scripts import SCRIPTS, load_script
+from tests.scripts import BENCHMARKS, load_script
 
 bench_wave_host = load_script("bench_wave_host")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message a machine without a GPU gets")
 def test_without_a_gpu_it_exits_with_one_line():
-    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_wave_host.py")], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_wave_host.py")], capture_output=True, text=True)
     assert done.returncode != 0 and done.stderr.strip() == "error: bench_wave_host.py needs a CUDA GPU"
 
 

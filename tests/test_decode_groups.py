@@ -1,4 +1,4 @@
-"""Grouped residual decodes in DeviceStreams (residual_decode_group), on CPU through fake CUDA streams and events.
+"""Grouped residual decodes in DeviceStreams (DECODE_GROUP loads a launch), on CPU through fake CUDA streams and events.
 
 The fakes keep a log of what each stream is asked to do and fail on a wait for an event nobody recorded
 (real CUDA would let such a wait pass at once: the race these tests guard against).
@@ -58,7 +58,6 @@ def streams(monkeypatch):
     streams = DeviceStreams(torch.device("cpu"))
     streams.cuda = True
     streams.copy_stream, streams.decode_stream = FakeStream("copy"), FakeStream("decode")
-    streams.waiting_stream = FakeStream("waiting")
     return streams
 
 
@@ -182,7 +181,7 @@ def copy_records() -> list:
 
 
 def test_group_copies_wait_in_the_group_and_cross_back_to_back_at_its_launch(streams, rows):
-    """residual_group_copies: nothing crosses before the launch; then every blob of the group between one
+    """Grouped copies (residual transfer): nothing crosses before the launch; then every blob of the group between one
     start and one arrival record, before the decode stream waits for that arrival and launches."""
     streams.group_copies = True
     group = grouped("layer0", size=3)

@@ -6,8 +6,7 @@ from transformers import DynamicCache, StaticCache
 
 import specter
 from specter.models.hybrid_experts import TARGET
-from specter.offload.side_steps import SideSteps
-from specter.speculative.sampling import draft_choices
+from specter.draft.side_steps import SideSteps
 from specter.speculative.state import copy_rows
 from tests.conftest import TINY_MODELS, hf_greedy, prompt, tiny_model
 
@@ -28,49 +27,29 @@ def test_draft_ahead_is_lossless_and_used(tiny_name, slots):
         assert out.stats["iterations"] - 1 <= len(out.stats["prefetch_trace"]) <= out.stats["iterations"]
 
 
-@pytest.mark.parametrize("slots,in_flight", [(None, 0), (2, 0), (2, 4)])
-@pytest.mark.parametrize("tiny_name", ["tiny-dsv2", "tiny-qwen"])
-def test_draft_ahead_branch_is_lossless_and_used(tiny_name, slots, in_flight):
-    """The branch drafts the window after the likeliest rejection; windows that take its drafts still give
-    the target's greedy tokens (both models reject at their smallest margin with the runner-up at least once)."""
-    model = specter.load_model(tiny_name, device="cpu", dtype=torch.float32) if slots else tiny_model(tiny_name)
-    config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True, draft_ahead_branch=True,
-                                   draft_ahead_in_flight=in_flight)
-    out = specter.SpecterEngine(model, config).generate(prompt("Natalia sold clips"), NEW)
-    assert out.token_ids == hf_greedy(tiny_name, prompt("Natalia sold clips"), NEW), (tiny_name, slots)
-    stats = out.stats
-    assert 0 < stats["draft_branch_windows"] <= stats["draft_branch_launches"] == stats["draft_ahead_launches"]
-    assert stats["draft_ahead_windows"] + stats["draft_branch_windows"] < stats["iterations"]
-    if slots:  # a window drafted by the branch is planned from the branch's routing counts
-        assert stats["iterations"] - 1 <= len(stats["prefetch_trace"]) <= stats["iterations"]
-
-
 @pytest.mark.parametrize("slots", [None, 2])
 @pytest.mark.parametrize("tiny_name", ["tiny-dsv2", "tiny-qwen"])
 def test_the_first_window_drafted_from_the_prompt_is_lossless_and_taken(tiny_name, slots):
-    """draft_ahead_prompt: the first window is drafted from the prompt (the draft's own KV rows of it) before
-    the prefill; it is taken when the draft's guess is the target's first token, and tokens stay the target's."""
+    """The first window is drafted from the prompt (the draft's own KV rows of it) before the prefill; it is
+    taken when the draft's guess is the target's first token, and tokens stay the target's."""
     model = specter.load_model(tiny_name, device="cpu", dtype=torch.float32) if slots else tiny_model(tiny_name)
     ids, expected = prompt("Natalia sold clips"), hf_greedy(tiny_name, prompt("Natalia sold clips"), NEW)
-    for from_prompt in (False, True):
-        config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True,
-                                       draft_ahead_prompt=from_prompt)
-        engine, drafted = specter.SpecterEngine(model, config), []
-        draft = engine.draft
-        engine.draft = lambda state, k: drafted.append(k) or draft(state, k)
-        stats = engine.generate(ids, NEW).stats
-        assert engine.generate(ids, NEW).token_ids == expected, (tiny_name, slots, from_prompt)
-        # the draft guesses these prompts' first token: the first window takes the prompt's drafts
-        assert stats["draft_ahead_prompt_windows"] == int(from_prompt)
-        taken = stats["draft_ahead_windows"] + stats["draft_ahead_prompt_windows"]
-        assert len(drafted) // 2 == stats["iterations"] - taken  # two requests: windows that drafted themselves
+    config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True)
+    engine, drafted = specter.SpecterEngine(model, config), []
+    draft = engine.draft
+    engine.draft = lambda state, k: drafted.append(k) or draft(state, k)
+    stats = engine.generate(ids, NEW).stats
+    assert engine.generate(ids, NEW).token_ids == expected, (tiny_name, slots)
+    # the draft guesses these prompts' first token: the first window takes the prompt's drafts
+    assert stats["draft_ahead_prompt_windows"] == 1
+    taken = stats["draft_ahead_windows"] + stats["draft_ahead_prompt_windows"]
+    assert len(drafted) // 2 == stats["iterations"] - taken  # two requests: windows that drafted themselves
 
 
 def test_a_first_token_the_draft_did_not_guess_leaves_the_prompt_drafts_unused():
     """When the target's first token is not the draft's guess, the first window drafts as usual and the
     counts of the prompt's drafts are cleared."""
-    engine = specter.SpecterEngine(tiny_model("tiny-dsv2"), specter.SpecterConfig(k=3, draft_ahead=True,
-                                                                                  draft_ahead_prompt=True))
+    engine = specter.SpecterEngine(tiny_model("tiny-dsv2"), specter.SpecterConfig(k=3, draft_ahead=True))
     collect, seen = engine.ahead.collect_prompt, []
 
     def wrong_first_token(launched, first):
@@ -84,27 +63,6 @@ def test_a_first_token_the_draft_did_not_guess_leaves_the_prompt_drafts_unused()
     assert out.token_ids == hf_greedy("tiny-dsv2", ids, NEW)
 
 
-def test_a_window_the_branch_drafted_hands_its_draft_rows_to_the_next_draft_ahead():
-    """The next window is drafted ahead over the rows the branch computed for the window it drafted."""
-    engine = specter.SpecterEngine(tiny_model("tiny-dsv2"), specter.SpecterConfig(k=3, draft_ahead=True,
-                                                                                  draft_ahead_branch=True))
-    launch, checked = engine.ahead.launch, []
-
-    def checking_launch(state, drafts, choices, window, remaining):
-        if window is None or window.guess is not None:
-            return launch(state, drafts, choices, window, remaining)
-        rows = slice(state.kv_length, state.kv_length + drafts.numel())
-        branch_rows = [layer.keys[:, :, rows].clone() for layer in engine.ahead.branch.cache.layers]
-        launched = launch(state, drafts, choices, window, remaining)
-        checked.append(all(torch.equal(layer.keys[:, :, rows], expected)
-                           for layer, expected in zip(engine.ahead.cache.layers, branch_rows)))
-        return launched
-
-    engine.ahead.launch = checking_launch
-    out = engine.generate(prompt("Natalia sold clips"), NEW)
-    assert out.stats["draft_branch_windows"] > 0 and checked and all(checked)
-
-
 def test_drafts_made_ahead_that_no_window_takes_leave_no_counts():
     engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=3, draft_ahead=True))
     engine.elb.counts.fill_(1)  # as if a draft-ahead had counted its routing
@@ -112,7 +70,7 @@ def test_drafts_made_ahead_that_no_window_takes_leave_no_counts():
     assert int(engine.elb.counts.sum()) == 0
 
 
-def test_side_steps_without_a_stream_queue_every_step_at_once():
+def test_side_steps_without_a_stream_run_every_step_at_once():
     queued = []
 
     def chain():
@@ -120,25 +78,18 @@ def test_side_steps_without_a_stream_queue_every_step_at_once():
             queued.append(i)
             yield torch.tensor([[i]])
 
-    steps = SideSteps(chain(), None, in_flight=2)  # no stream (the CPU): nothing to keep in flight
-    assert queued == list(range(5)) and steps.done
-    steps.advance()
+    steps = SideSteps(chain(), None)  # no stream (the CPU): the steps run now
+    assert queued == list(range(5))
     assert [int(t) for t in steps.finish()] == list(range(5))
 
 
-def test_draft_choices_are_the_argmax_the_runner_up_and_their_margin():
-    logits = torch.tensor([[0.5, 2.0, 1.75, -1.0], [3.0, 3.0, 1.0, 0.0]])
-    choices = draft_choices(logits)
-    assert choices.tolist() == [[1, 2, 256], [0, 1, 0]]  # a tie: the first index is the argmax, the next the runner-up
-    assert torch.equal(choices[:, 0], logits.argmax(dim=-1))
-
-
 @pytest.mark.parametrize("name,config,reason", [
-    ("tiny", dict(temperature=0.7), "sampling"), ("tiny-phi", {}, "longrope"), ("tiny", dict(draft_ahead=False), "off")])
+    ("tiny", dict(temperature=0.7), "off: sampling"), ("tiny-phi", {}, "off: longrope"),
+    ("tiny", dict(draft_ahead=False), "off: not asked")])
 def test_draft_ahead_is_off_where_it_cannot_apply(name, config, reason):
     settings = {"k": 3, "draft_ahead": True, **config}
     out = specter.SpecterEngine(tiny_model(name), specter.SpecterConfig(**settings)).generate(prompt(), 8)
-    assert out.stats["draft_ahead"].startswith(reason)
+    assert out.stats["mechanisms"]["draft_ahead"].startswith(reason)
     assert "draft_ahead_launches" not in out.stats
 
 
@@ -164,9 +115,10 @@ def test_copy_rows_takes_the_committed_rows_and_keeps_its_own(static):
 def test_a_batch_does_not_draft_ahead_and_says_so():
     engine = specter.SpecterEngine(tiny_model("tiny"), specter.SpecterConfig(k=3, draft_ahead=True))
     results = engine.generate([prompt()[0].tolist(), prompt("def f(x):")[0].tolist()], 8)
-    assert all(r.stats["draft_ahead"].startswith("off: batched") for r in results)
+    assert all(r.stats["mechanisms"]["draft_ahead"].startswith("off: batched") for r in results)
+    assert all("draft_ahead_launches" not in r.stats for r in results)
     single = engine.generate(prompt(), 8)  # a single request after the batch drafts ahead again
-    assert single.stats["draft_ahead"] == "on" and single.stats["draft_ahead_launches"] > 0
+    assert single.stats["mechanisms"]["draft_ahead"] == "on" and single.stats["draft_ahead_launches"] > 0
 
 
 @pytest.mark.parametrize("new,from_prompt", [(1, 0), (2, 0), (3, 1)])

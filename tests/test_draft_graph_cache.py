@@ -3,7 +3,7 @@ capture), and the draft step it captures, plain or compiled."""
 import pytest
 import torch
 
-from specter.offload.draft_graph import DraftGraphCache, draft_step_fn
+from specter.draft.graph import DraftGraphCache, draft_step_fn
 from specter.prefetch.lookahead import ExpertLookaheadBuffer
 from specter.speculative.state import new_static_cache
 from tests.conftest import tiny_model

@@ -64,9 +64,9 @@ def test_bad_sampling_settings():
     assert get_spec("tiny").name == "tiny-dsv2"
 
 
-@pytest.mark.parametrize("field", [dict(verify_wave=-2), dict(load_ahead_layers=-1), dict(copy_streams=3),
-                                   dict(initial_chunk=0), dict(prefetch_chunk=0), dict(early_read_fraction=-0.1),
-                                   dict(early_read_fraction=1.5), dict(spare_rows=-1)])
+@pytest.mark.parametrize("field", [dict(pooled_slots=-1), dict(pooled_slots=1.5), dict(eviction="stale"),
+                                   dict(residual_transfer=1), dict(draft_ahead="yes"),
+                                   dict(resident_experts_per_layer=0), dict(seed=0.5)])
 def test_bad_offload_knobs(field):
     with pytest.raises(SpecterError, match="must be"):
         specter.SpecterConfig(**field)

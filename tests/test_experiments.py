@@ -38,7 +38,7 @@ def results(tmp_path_factory) -> Path:
 
 def test_main_protocol_rows(results):
     records = pd.read_csv(results / "main" / "tiny-dsv2-high" / "records.csv")
-    assert len(records) == 2 * 2 * 2  # prompts x repeats x systems
+    assert len(records) == 2 * 2 * 3  # prompts x repeats x systems
     assert set(records.repeat) == {0, 1} and (records.dataset == "builtin").all()
     assert set(records.k) == {json.loads((results / "depth" / "tiny-dsv2-high" / "best_k.json").read_text())["best_k"]}
     summary = pd.read_csv(results / "main" / "tiny-dsv2-high" / "summary.csv")
@@ -107,13 +107,13 @@ def test_specter_options_and_ablations_reach_the_run(tmp_path):
     out = tmp_path / "run"
     run_in_process(*FAST, "num_prompts=1", "repeats=1", "warmup_tokens=2", "mem.slots=2",
                    "systems=[specter,specter_no_prefetch]", "specter.top_p=0.9", "specter.eviction=lookahead",
-                   "specter.spare_rows=2", "temperature=0.7", "seed=3", f"results_dir={out}")
+                   "specter.pooled_slots=1", "temperature=0.7", "seed=3", f"results_dir={out}")
     records = pd.read_csv(out / "records.csv")
     loads = records[records.status == "ok"].groupby("system").prefetch_loads.sum()
     assert loads["specter_no_prefetch"] == 0 and loads["specter"] > 0
     run = json.loads((out / "run.json").read_text())["config"]
     assert run["specter"]["top_p"] == 0.9 and run["specter"]["eviction"] == "lookahead"
-    assert run["specter"]["spare_rows"] == 2 and (run["temperature"], run["seed"]) == (0.7, 3)
+    assert run["specter"]["pooled_slots"] == 1 and (run["temperature"], run["seed"]) == (0.7, 3)
 
 
 def test_resume_skips_finished_cases(tmp_path):

@@ -13,8 +13,7 @@ LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 8, 4
 
 
 def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=None,
-               counts: RoutingCounts | None = None, prefetch_victims: str = "any",
-               spare_slots: bool = False) -> ExpertCache:
+               counts: RoutingCounts | None = None, spare_slots: bool = False) -> ExpertCache:
     """A cache over a small host store; the popularity policy reads `counts` (new if None)."""
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
@@ -23,7 +22,7 @@ def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=Non
     streams = streams or DeviceStreams(torch.device("cpu"))
     counts = RoutingCounts() if counts is None else counts
     return ExpertCache(store, slots, torch.device("cpu"), streams, make_policy(policy, counts), spare_rows,
-                       prefetch_victims=prefetch_victims, spare_slots=spare_slots)
+                       spare_slots=spare_slots)
 
 
 class EventLog:
@@ -164,9 +163,8 @@ def test_popularity_streams_into_the_earliest_released_slots_least_routed_first(
     assert cache.load_if_free(0, 1) == slot[3]  # then the second wave's, least routed first
 
 
-@pytest.mark.parametrize("victims", ["any", "stale"])
-def test_stale_prefetch_keeps_what_the_previous_window_read(victims):
-    cache = make_cache(3, prefetch_victims=victims)
+def test_a_prefetch_evicts_the_least_recently_used_expert_it_need_not_keep():
+    cache = make_cache(3)
     assert cache.prefetch(0, 0)  # window 1: a prefetch nobody reads
     use(cache, 0, 1)  # window 1's verification reads 1 (a miss)
     cache.begin_window()  # window 2: 2 is prefetched, and verification reads it among the residents
@@ -174,13 +172,13 @@ def test_stale_prefetch_keeps_what_the_previous_window_read(victims):
     resident = cache.protect_resident(0)
     cache.count_lookups(0, [2], resident, set(), {2})
     cache.release_all(0, list(resident.values()))
-    cache.begin_window()  # window 3: 0 was never read, 1 was read two windows ago, 2 in the previous one
-    assert cache.prefetch(0, 3)  # evicts 0 under either setting (least recently used; stale)
-    assert cache.prefetch(0, 4) and cache.resident_experts(0) == {2, 3, 4}  # 1 goes: read two windows ago
-    expected = {"any": {3, 4, 5}, "stale": {2, 3, 4}}[victims]  # stale keeps 2; the prefetched 3, 4 are planned
-    assert cache.prefetch(0, 5, keep=frozenset({3, 4})) is (victims == "any")
-    assert cache.resident_experts(0) == expected
-    assert cache.load_if_free(0, 5) is not None  # verification still loads it (demand loads ignore the setting)
+    cache.begin_window()  # window 3
+    assert cache.prefetch(0, 3)  # evicts 0 (least recently used)
+    assert cache.prefetch(0, 4) and cache.resident_experts(0) == {2, 3, 4}  # then 1
+    assert cache.prefetch(0, 5, keep=frozenset({3, 4}))  # 2 goes: the prefetched 3, 4 are planned
+    assert cache.resident_experts(0) == {3, 4, 5}
+    assert not cache.prefetch(0, 1, keep=frozenset({3, 4, 5}))  # every slot kept: nothing evicted
+    assert cache.resident_experts(0) == {3, 4, 5}
 
 
 def test_prefetch_then_hit_is_counted_as_prefetched():
@@ -265,8 +263,8 @@ def owned_rows(cache: ExpertCache) -> list[int]:
 
 @pytest.mark.parametrize("spare_rows", [1, 3])
 def test_spare_slots_lend_rows_to_a_verify_layer_and_take_them_back(spare_rows):
-    """verify_spare_slots: streamed loads fill the rowless slots while spares last (then the layer's own victims),
-    each copy still waits for the last reader of its row, every row keeps one owner, and giving the lent rows
+    """Spare slots (pooled slots): streamed loads fill the rowless slots while spares last (then the layer's own
+    victims), each copy still waits for the last reader of its row, every row keeps one owner, and giving the lent rows
     back leaves the layer its own slot count, the most recently used experts kept."""
     rng, log = random.Random(spare_rows), EventLog()
     cache = make_cache(2, "lru", spare_rows, streams=log, spare_slots=True)

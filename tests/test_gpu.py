@@ -6,7 +6,6 @@ import torch
 
 import specter
 from baselines.target_only import TargetOnly
-from specter.offload.side_steps import SideSteps
 from specter.offload.streams import DeviceStreams
 from tests.conftest import prompt
 
@@ -107,51 +106,23 @@ def test_half_precision_offloaded_greedy_equals_target_only_on_cuda(name, dtype)
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", ["tiny-qwen", "tiny-mixtral"])
 def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
-    """The Triton decode rebuilds every slot bit for bit: the same tokens and loads as raw copies, fewer bytes;
-    so does one launch per group of a layer's loads (residual_decode_group), with fewer launches, and with the
-    group's copies issued together at its launch (residual_group_copies), with the spare rows lent to each
-    verify layer's waves (verify_spare_slots), and with a slot of each layer pooled with them (verify_pooled_slots),
-    its group copies merged where neighbouring experts' blobs lie end to end."""
+    """The Triton decode rebuilds every slot bit for bit: the same tokens and loads as raw copies, fewer bytes,
+    a launch per group of a layer's loads with the group's copies issued together, also with a slot of each
+    layer pooled with the spare rows (its group copies merged where neighbouring experts' blobs lie end to end)."""
     model = specter.load_model(name, device="cuda", dtype=dtype)
-    options = [dict(residual_transfer=False), dict(residual_transfer=True, residual_decode_group=1),
-               dict(residual_transfer=True, residual_decode_group=4),
-               dict(residual_transfer=True, residual_decode_group=4, residual_group_copies=True),
-               dict(residual_transfer=True, residual_decode_group=4, verify_spare_slots=True),
-               dict(residual_transfer=True, residual_decode_group=4, verify_pooled_slots=1, verify_wave=-1),
-               dict(residual_transfer=True, residual_decode_group=4, verify_pooled_slots=1, verify_wave=-1,
-                    residual_group_copies=True)]
+    options = [dict(residual_transfer=False, pooled_slots=0), dict(residual_transfer=True, pooled_slots=0),
+               dict(residual_transfer=True, pooled_slots=1)]
     runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, **o))
             .generate(prompt(), 32) for o in options]
     assert all(run.token_ids == runs[0].token_ids for run in runs[1:])
     assert runs[1].stats["residual_decodes"] > 0 and runs[1].stats["h2d_bytes"] < 0.75 * runs[0].stats["h2d_bytes"]
-    assert 0 < runs[2].stats["residual_decodes"] < runs[2].stats["h2d_copies"]
-    assert 0 < runs[3].stats["residual_decodes"] < runs[3].stats["h2d_copies"] == runs[2].stats["h2d_copies"]
-    assert runs[3].stats["h2d_bytes"] == runs[2].stats["h2d_bytes"] and runs[3].stats["h2d_gbps"] > 0
-    assert runs[6].stats["h2d_copy_calls"] <= runs[6].stats["h2d_copies"]  # neighbours' blobs may cross as one
+    assert 0 < runs[1].stats["residual_decodes"] < runs[1].stats["h2d_copies"] and runs[1].stats["h2d_gbps"] > 0
+    assert runs[2].stats["h2d_copy_calls"] <= runs[2].stats["h2d_copies"]  # neighbours' blobs may cross as one
     assert model.offload.residuals.buffers[0].is_pinned() and model.offload.residuals.use_kernel
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-mixtral"])
-def test_host_experts_on_cuda_give_the_targets_tokens(name, dtype, monkeypatch):
-    """Every planned cold expert on the CPU (a free host path): the target's tokens up to rounding (the CPU's
-    GEMMs round differently from the GPU's), with and without residual transfer."""
-    import specter.verify.host_experts as host_experts_module
-    from specter.verify.host_experts import HostCost
-
-    monkeypatch.setattr(host_experts_module, "measure_host_cost", lambda store, act: HostCost(0.0, 0.0))
-    model = specter.load_model(name, device="cuda", dtype=dtype)
-    ids, state = prompt(), float_state(model)
-    reference = TargetOnly(model).generate(ids, 32).token_ids
-    for residual in (False, True):
-        config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, host_experts=True, residual_transfer=residual)
-        out = specter.SpecterEngine(model, config).generate(ids, 32)
-        assert_equal_or_within_bf16_error(name, model, ids, out.token_ids, reference, (name, residual), state)
-        assert out.stats["host_expert_runs"] > 0
-
-
 def test_large_host_buffers_are_registered_in_place_and_copy_asynchronously():
-    from specter.offload.cudart import REGISTER_MIN_BYTES, pin
+    from specter.offload.pinned import REGISTER_MIN_BYTES, pin
 
     big = torch.arange(REGISTER_MIN_BYTES // 4 + 5, dtype=torch.int32)
     pinned = pin(big, torch.device("cuda"))
@@ -162,27 +133,6 @@ def test_large_host_buffers_are_registered_in_place_and_copy_asynchronously():
     on_device.copy_(pinned, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_device.cpu(), big)
-
-
-def test_a_runtime_copy_moves_every_byte_on_its_stream():
-    from specter.offload.cudart import copy_issuer, pin
-
-    copies, stream = copy_issuer("cudart"), torch.cuda.Stream()
-    src = pin(torch.randn(4096, dtype=torch.float32).to(torch.bfloat16), torch.device("cuda"))
-    dst = torch.zeros(5000, dtype=torch.bfloat16, device="cuda")
-    copies(dst, src, stream)
-    stream.synchronize()
-    assert torch.equal(dst[:4096].cpu().view(torch.int16), src.view(torch.int16)) and not dst[4096:].any()
-
-
-@pytest.mark.parametrize("residual", [False, True])
-def test_cudart_copies_give_torch_copies_tokens_and_bytes(residual):
-    model = specter.load_model("tiny-qwen", device="cuda")
-    runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, copy_issue=issue,
-                                                               residual_transfer=residual)).generate(prompt(), 32)
-            for issue in ("torch", "cudart")]
-    assert runs[1].token_ids == runs[0].token_ids
-    assert runs[1].stats["h2d_bytes"] > 0 and (runs[1].stats["residual_decodes"] > 0) == residual
 
 
 @pytest.mark.slow
@@ -201,7 +151,7 @@ def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
 def test_draft_graph_replay_gives_the_eager_tokens(name, dtype):
     model = specter.load_model(name, device="cuda", dtype=dtype)
     ids = prompt()
-    config = specter.SpecterConfig(k=6, resident_experts_per_layer=2)  # equal residency: the same kernels
+    config = specter.SpecterConfig.paper(k=6, resident_experts_per_layer=2)  # equal residency: the same kernels
     eager = specter.SpecterEngine(model, dataclasses.replace(config, cuda_graph=False)).generate(ids, 40)
     graphed = specter.SpecterEngine(model, config)
     first, second = graphed.generate(ids, 40), graphed.generate(ids, 40)  # capture once, replay after
@@ -218,7 +168,7 @@ def test_a_compiled_draft_step_is_captured_and_stays_lossless(name):
     model = specter.load_model(name, device="cuda", dtype=torch.float16)
     ids = prompt()
     reference = TargetOnly(model).generate(ids, 40).token_ids
-    config = specter.SpecterConfig(k=6, resident_experts_per_layer=2, draft_compile=True)
+    config = specter.SpecterConfig.paper(k=6, resident_experts_per_layer=2, draft_compile=True)
     engine = specter.SpecterEngine(model, config)
     first, second = engine.generate(ids, 40), engine.generate(ids, 40)  # compile + capture once, replay after
     assert first.stats["draft_graph"] == "on, compiled", first.stats["draft_graph"]
@@ -233,7 +183,7 @@ def test_draft_ahead_on_its_side_stream_stays_lossless(name):
     model = specter.load_model(name, device="cuda", dtype=torch.float16)
     ids = prompt()
     reference = TargetOnly(model).generate(ids, 40).token_ids
-    config = specter.SpecterConfig(k=4, resident_experts_per_layer=2, draft_ahead=True)
+    config = specter.SpecterConfig.paper(k=4, resident_experts_per_layer=2, draft_ahead=True)
     engine = specter.SpecterEngine(model, config)
     first, second = engine.generate(ids, 40), engine.generate(ids, 40)
     assert first.stats["draft_graph"] == "on" and first.stats["draft_ahead"] == "on"
@@ -241,66 +191,19 @@ def test_draft_ahead_on_its_side_stream_stays_lossless(name):
     assert second.stats["draft_ahead_windows"] > 0
 
 
-@pytest.mark.parametrize("name", ["tiny-dsv2", "tiny-qwen"])
-@pytest.mark.parametrize("compiled,in_flight", [(False, 0), (False, 2), (True, 2)])
-def test_draft_ahead_branch_on_its_stream_stays_lossless(name, compiled, in_flight):
-    """draft_ahead_branch: the window after the likeliest rejection drafted after draft-ahead's on its side
-    stream (its own static cache, captured step and counters, its branch point read without a sync at
-    launch), all steps queued at launch or `in_flight` at a time between verify layers; output equals
-    target-only's, and windows take the branch's drafts."""
-    model = specter.load_model(name, device="cuda", dtype=torch.float16)
-    ids = prompt("Natalia sold clips")
-    reference = TargetOnly(model).generate(ids, 40).token_ids
-    config = specter.SpecterConfig(k=3, resident_experts_per_layer=2, draft_ahead=True, draft_ahead_branch=True,
-                                   draft_compile=compiled, draft_ahead_in_flight=in_flight)
-    engine = specter.SpecterEngine(model, config)
-    first, second = engine.generate(ids, 40), engine.generate(ids, 40)
-    assert first.stats["draft_graph"] == ("on, compiled" if compiled else "on")
-    assert first.token_ids == second.token_ids == reference
-    assert 0 < second.stats["draft_branch_windows"] <= second.stats["draft_branch_launches"]
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_draft_ahead_from_the_prompt_on_its_side_stream_stays_lossless(compiled):
-    """draft_ahead_prompt on CUDA: the first window drafted from the prompt on the side stream (a draft forward
+    """Draft-ahead on CUDA: the first window drafted from the prompt on the side stream (a draft forward
     over the prompt into the static side cache, then captured steps) while the prefill runs; taken, and the
     output equals target-only's over two requests (the side cache emptied between them)."""
     model = specter.load_model("tiny-dsv2", device="cuda", dtype=torch.float16)
     ids = prompt("Natalia sold clips")
     reference = TargetOnly(model).generate(ids, 40).token_ids
-    config = specter.SpecterConfig(k=3, resident_experts_per_layer=2, draft_ahead=True, draft_ahead_prompt=True,
-                                   draft_compile=compiled)
+    config = specter.SpecterConfig.paper(k=3, resident_experts_per_layer=2, draft_ahead=True, draft_compile=compiled)
     engine = specter.SpecterEngine(model, config)
     first, second = engine.generate(ids, 40), engine.generate(ids, 40)
     assert first.token_ids == second.token_ids == reference
     assert second.stats["draft_ahead_prompt_windows"] == 1
-
-
-def test_side_steps_keep_at_most_in_flight_steps_unfinished():
-    """SideSteps queues a step only while fewer than `in_flight` of its steps are unfinished (the host
-    queries events and never waits), and `finish` queues the rest."""
-    stream, queued = torch.cuda.Stream(), []
-    a, out = torch.randn(4096, 4096, device="cuda"), torch.empty(4096, 4096, device="cuda")
-    with torch.cuda.stream(stream):  # the stream's first matmul sets up its BLAS workspace (a device sync)
-        torch.mm(a, a, out=out)
-    torch.cuda.synchronize()
-
-    def chain():
-        for i in range(8):
-            queued.append(i)
-            for _ in range(4):  # milliseconds on the GPU, microseconds to queue
-                torch.mm(a, a, out=out)
-            yield torch.full((1, 1), i, device="cuda")
-
-    steps = SideSteps(chain(), stream, in_flight=2)
-    steps.advance()
-    assert len(queued) == 2
-    steps.advance()  # both still running: nothing more queued
-    assert len(queued) == 2
-    outputs = steps.finish()
-    torch.cuda.current_stream().wait_stream(stream)  # the outputs are the side stream's until then
-    assert [int(t) for t in outputs] == list(range(8)) and steps.done
-    torch.cuda.synchronize()
 
 
 def test_a_longrope_model_drafts_eagerly_and_leaves_the_cuda_generator_usable():

@@ -98,23 +98,3 @@ def test_hybrid_model_is_a_plain_dataclass_wrapper():
                                                         (False, 6, 48, "reference")])
 def test_draft_kernel_by_routed_pairs(cuda, pairs, limit, expected):
     assert draft_kernel(cuda, pairs, limit) == expected
-
-
-def test_the_engine_sets_its_decode_pairs_on_every_layer_for_a_call(monkeypatch):
-    """draft_decode_pairs reaches every layer's draft call while the engine runs, and the default is back
-    after (the layers' own default is the config's)."""
-    import specter
-    from specter.kernels.int4_decode import DECODE_MAX_PAIRS
-
-    model, seen = tiny_model("tiny"), set()
-    draft = HybridExperts.draft_experts
-
-    def recording(self, hidden, top_k_index, top_k_weights):
-        seen.add((self.moe_layer, self.draft_decode_pairs))
-        return draft(self, hidden, top_k_index, top_k_weights)
-
-    monkeypatch.setattr(HybridExperts, "draft_experts", recording)
-    specter.SpecterEngine(model, specter.SpecterConfig(k=2, draft_decode_pairs=7)).generate(prompt(), 4)
-    assert seen == {(layer, 7) for layer in range(model.num_moe_layers)}
-    assert DECODE_MAX_PAIRS == specter.SpecterConfig().draft_decode_pairs
-    assert all(e.draft_decode_pairs == DECODE_MAX_PAIRS for e in model.experts)

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.machine import busy_warning, host_op_us, load_note, machine_state
-from experiments.main import checkpoint_overrides
+from experiments.main import checkpoint_overrides, token_cap_overrides
 from experiments.run_dirs import results_dir
 from experiments.settings import check_run_settings, model_choice, specter_config, workload
 from experiments.summarize import main as summarize_main
@@ -38,7 +38,7 @@ def test_every_model_and_mem_option_composes(model, mem):
     cfg = compose_with(f"model={model}", f"mem={mem}", *weights)  # mem=gb: 40 GB, enough for every model
     choice = model_choice(cfg)
     config = specter_config(cfg, choice.spec)
-    assert config.k == choice.spec.default_k
+    assert config.k == choice.spec.depth_k.get(cfg.mem.preset, choice.spec.default_k)
     if mem in choice.spec.mem_presets:
         assert config.resident_experts_per_layer == choice.spec.mem_presets[mem]
     else:  # a GB budget
@@ -54,27 +54,25 @@ def test_every_system_option_instantiates(system):
     assert built.name == system
     if system in EXTERNAL_ENGINES:  # they cannot run tiny-dsv2 (see their tests): they must say why
         assert ok or reason.strip()
-    elif system.startswith("specter_residual"):  # the tiny default is float32: residuals need 16-bit experts
-        assert (ok, reason) == (False, "residual_transfer needs 16-bit experts (float16 or bfloat16); "
-                                       "this model's are float32")
     else:
         assert (ok, reason) == (True, "")
+    if system == "specter":  # the tiny default is float32: residual transfer switches itself off and says why
+        assert built.mechanisms["residual_transfer"] == ("off: residual_transfer needs 16-bit experts (float16 or "
+                                                         "bfloat16); this model's are float32")
 
 
-def test_the_residual_cudart_system_sets_both_options():
-    model = tiny_model("tiny")
-    built = build_system("specter_residual_cudart", model, specter_config(compose_with(), model.spec))
-    assert (built.config.residual_transfer, built.config.copy_issue) == (True, "cudart")
-
-
-@pytest.mark.parametrize("override", ["token_caps={transformers:16}", "token_caps.transformers=16"])
+@pytest.mark.parametrize("override", ["++token_caps={transformers:16}", "++token_caps.transformers=16"])
 def test_token_caps_override_from_the_command_line(override):
     cfg = compose_with(override)
-    assert cfg.token_caps.transformers == 16 and cfg.token_caps.specter is None
+    assert cfg.token_caps.transformers == 16 and "specter" not in cfg.token_caps
 
 
-def test_every_system_option_can_be_capped():
-    assert set(known_systems()) <= set(compose_with().token_caps)
+@pytest.mark.parametrize("system", known_systems())
+def test_every_system_can_be_capped_without_a_list_of_systems(system, tmp_path, monkeypatch):
+    assert token_cap_overrides([f"token_caps.{system}=4", "k=2"]) == [f"++token_caps.{system}=4", "k=2"]
+    check_run_settings(compose_with(f"++token_caps.{system}=4"))
+    with pytest.raises(SpecterError, match="token_caps.nope: unknown system 'nope'"):
+        check_run_settings(compose_with("++token_caps.nope=4"))
 
 
 # A valid value other than the default for every option of the `specter` group (a new SpecterConfig field
@@ -92,7 +90,7 @@ def test_main_writes_tables_and_never_overwrites(tmp_path):
     assert first.returncode == 0, first.stderr
     assert {p.name for p in out.iterdir()} == {"records.csv", "summary.csv", "run.json"}
     records = pd.read_csv(out / "records.csv")
-    assert set(records.system) == {"specter", "target_only"} and len(records) == 4
+    assert set(records.system) == {"specter", "specter_paper", "target_only"} and len(records) == 6
     assert (records[records.system == "specter"].tokens_match_target == "yes").all()
     assert "same tokens" in first.stdout and "specter" in first.stdout
     before = (out / "records.csv").read_bytes()
@@ -123,7 +121,7 @@ def test_default_results_dir_gets_a_new_suffix(tmp_path, monkeypatch):
     ("temperature=nan", "temperature must be a finite number >= 0, got nan"),
     ("temperature=-1", "temperature must be a finite number >= 0, got -1"),
     ("warmup_tokens=-1", "warmup_tokens must be an integer >= 0 or null, got -1"),
-    ("token_caps.transformers=0", "token_caps.transformers must be an integer >= 1 or null, got 0"),
+    ("++token_caps.transformers=0", "token_caps.transformers must be an integer >= 1 or null, got 0"),
     ("+experiment.k_values=[2,0]", "each of experiment.k_values must be an integer >= 1, got 0"),
     ("seed=1.5", "seed must be an integer, got 1.5"),
 ])
@@ -167,11 +165,11 @@ def test_a_run_resumes_only_into_a_directory_of_the_same_config(tmp_path, monkey
         results_dir(compose_with("resume=true", "model=tiny-qwen", f"results_dir={out}"))
     assert results_dir(compose_with("resume=force", "max_new_tokens=32")) == (out, True)
     older = OmegaConf.to_container(compose_with(), resolve=True)  # a run from before two options existed
-    del older["specter"]["residual_decode_group"], older["token_caps"]["specter_residual"]
+    del older["specter"]["pooled_slots"]
     (out / "run.json").write_text(json.dumps({"config": older}))
     assert results_dir(compose_with("resume=true")) == (out, True)  # the new options at their defaults
-    with pytest.raises(SpecterError, match=r"specter.residual_decode_group \(None there, 4 now\)"):
-        results_dir(compose_with("resume=true", "specter.residual_decode_group=4"))
+    with pytest.raises(SpecterError, match=r"specter.pooled_slots \(None there, 1 now\)"):
+        results_dir(compose_with("resume=true", "specter.pooled_slots=1"))
     (out / "run.json").write_text("{")  # torn
     with pytest.raises(SpecterError, match="run.json is missing or unreadable"):
         results_dir(compose_with("resume=true"))
@@ -293,7 +291,7 @@ def test_model_can_be_a_checkpoint_directory(tmp_path, checkpoints):
     assert model["default_k"] == 8  # the registry's Mixtral presets
     assert f"main: my mixtral (checkpoint {ckpt} as model=mixtral), K=8, 2 resident" in result.stdout
     records = pd.read_csv(out / "records.csv")
-    assert set(records.system) == {"specter", "target_only"} and (records.status == "ok").all()
+    assert set(records.system) == {"specter", "specter_paper", "target_only"} and (records.status == "ok").all()
 
 
 def test_checkpoint_overrides_keep_what_the_command_line_gives(checkpoints):

@@ -6,10 +6,11 @@ import torch
 from transformers import DynamicCache
 
 import specter
+import specter.engine as engine_module
 from baselines.target_only import TargetOnly
 from specter.hooks import attributes_set
 from specter.kernels.moe_align import MoEWorkspace
-from specter.offload.runtime import offload_experts
+from specter.offload.runtime import SPARE_ROWS, offload_experts
 from specter.verify.residency import ResidencyManager, VerifyOptions
 from tests.conftest import hf_greedy, prompt, tiny_model
 
@@ -35,15 +36,14 @@ def test_greedy_with_offload_equals_hf_generate(tiny_name, slots):
         assert host_parts <= out.stats["verify_host_ms"]
 
 
-@pytest.mark.parametrize("variant", [dict(prefetch=False), dict(expert_wise=False), dict(eviction="lookahead"),
-                                     dict(eviction="popularity"), dict(prefetch_victims="stale", resident_experts_per_layer=6),
-                                     dict(k=16, initial_chunk=1), dict(verify_wave=1, load_ahead_layers=2), dict(verify_wave=-1),
-                                     dict(load_ahead_layers=0, copy_streams=2),
-                                     dict(verify_spare_slots=True, spare_rows=3),
-                                     dict(verify_pooled_slots=2, resident_experts_per_layer=3, verify_wave=-1)])
+@pytest.mark.parametrize("variant", [dict(paper=True), dict(paper=True, prefetch=False),
+                                     dict(paper=True, expert_wise=False), dict(paper=True, eviction="lookahead"),
+                                     dict(paper=True, eviction="popularity"), dict(k=16),
+                                     dict(pooled_slots=2, resident_experts_per_layer=3), dict(prefetch=False)])
 def test_ablations_stay_lossless(variant):
     model = fresh("tiny-qwen")
-    config = specter.SpecterConfig(**{"k": 6, "resident_experts_per_layer": 2, **variant})
+    fields = {"k": 6, "resident_experts_per_layer": 2, **variant}
+    config = specter.SpecterConfig.paper(**fields) if fields.pop("paper", False) else specter.SpecterConfig(**fields)
     out = specter.SpecterEngine(model, config).generate(prompt(), NEW)
     assert out.token_ids == hf_greedy("tiny-qwen", prompt(), NEW)
     if variant.get("prefetch") is False:
@@ -80,24 +80,26 @@ def test_exactly_the_configured_slots_live_on_the_device():
 
 
 def test_pooled_slots_move_rows_from_the_layers_to_the_spares_in_the_same_memory():
-    """verify_pooled_slots=N: N slots of each layer become shared spare rows lent to the verify layers (the pool
-    keeps its rows); N at or above the slots per layer makes the engine unavailable, with the reason."""
+    """pooled_slots=N: N slots of each layer become shared spare rows lent to the verify layers (the pool keeps
+    its rows); N at or above the slots per layer leaves each layer one slot; one slot per layer: off, and why."""
     model = fresh("tiny-qwen")
-    layers, config = model.num_moe_layers, specter.SpecterConfig(k=4, resident_experts_per_layer=3, spare_rows=2)
+    layers, config = model.num_moe_layers, specter.SpecterConfig.paper(k=4, resident_experts_per_layer=3)
     specter.SpecterEngine(model, config)
     rows = model.offload.cache.pool.shape[0]
-    engine = specter.SpecterEngine(model, dataclasses.replace(config, verify_pooled_slots=2))
+    engine = specter.SpecterEngine(model, dataclasses.replace(config, pooled_slots=2))
     cache = model.offload.cache
-    assert (cache.slots_per_layer, cache.spare_rows, cache.spare_slots) == (1, 2 + 2 * layers, True)
-    assert cache.pool.shape[0] == rows == 3 * layers + 2 and engine.available() == (True, "")
+    assert (cache.slots_per_layer, cache.spare_rows, cache.spare_slots) == (1, SPARE_ROWS + 2 * layers, True)
+    assert cache.pool.shape[0] == rows == 3 * layers + SPARE_ROWS and engine.mechanisms["pooled_slots"] == "on"
     out = engine.generate(prompt(), 8)
     assert out.stats["resident_experts_per_layer"] == 1 and out.token_ids == hf_greedy("tiny-qwen", prompt(), 8)
-    full = specter.SpecterEngine(model, dataclasses.replace(config, verify_pooled_slots=3))
-    assert full.available() == (False, "verify_pooled_slots=3 leaves no slot of its own per layer at 3 resident "
-                                       "experts per layer")
+    full = specter.SpecterEngine(model, dataclasses.replace(config, pooled_slots=3))
+    assert full.config.pooled_slots == 2 and full.mechanisms["pooled_slots"] == "on"
+    single = specter.SpecterEngine(model, dataclasses.replace(config, pooled_slots=2, resident_experts_per_layer=1))
+    assert single.config.pooled_slots == 0 and single.mechanisms["pooled_slots"].startswith("off: needs at least 2")
+    assert single.generate(prompt(), 8).token_ids == out.token_ids
 
 
-def test_stats_of_an_offloaded_run():
+def test_stats_of_an_offloaded_run(monkeypatch):
     model = fresh("tiny-phi")
     out = specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2)).generate(prompt(), NEW)
     s = out.stats
@@ -105,8 +107,9 @@ def test_stats_of_an_offloaded_run():
     assert s["h2d_bytes"] == loads * model.offload.store.expert_bytes
     assert 0 < s["misses_planned"] <= s["misses"]  # verification loads most misses on the draft's plan
     assert any(t["early_batch"] for t in s["prefetch_trace"])  # the cold start's early layers, read mid-step
-    late = specter.SpecterConfig(k=4, resident_experts_per_layer=2, initial_chunk=8)  # no draft-time prefetch:
-    ahead = specter.SpecterEngine(model, late).generate(prompt(), NEW).stats  # slots keep unplanned leftovers
+    monkeypatch.setattr(engine_module, "INITIAL_CHUNK", 8)  # a Cold Start longer than the window: no prefetch,
+    late = specter.SpecterConfig(k=4, resident_experts_per_layer=2)  # so the slots keep unplanned leftovers
+    ahead = specter.SpecterEngine(model, late).generate(prompt(), NEW).stats
     assert ahead["prefetch_loads"] == 0 and ahead["loads_ahead"] > 0  # loaded while the previous layer ran
     assert 0 <= s["hit_rate"] <= 1 and s["hits"] >= s["hits_prefetched"]
     assert 0 < s["prefetch_precision"] <= 1 and 0 < s["prefetch_recall"] <= 1
@@ -175,8 +178,8 @@ def test_residual_transfer_gives_the_same_tokens_with_fewer_bytes(tiny_name, dty
         runs[residual] = (specter.SpecterEngine(model, config).generate(prompt(), NEW), model)
     (raw, _), (residual, model) = runs[False], runs[True]
     assert residual.token_ids == raw.token_ids
-    wide = specter.SpecterConfig(k=4, resident_experts_per_layer=2, residual_transfer=True, verify_spare_slots=True)
-    assert specter.SpecterEngine(model, wide).generate(prompt(), NEW).token_ids == raw.token_ids  # waves of 3
+    wide = specter.SpecterConfig(k=4, resident_experts_per_layer=3, residual_transfer=True, pooled_slots=2)
+    assert specter.SpecterEngine(model, wide).generate(prompt(), NEW).token_ids == raw.token_ids  # pooled slots
     loads = residual.stats["misses"] + residual.stats["wasted_loads"] + residual.stats["prefetch_loads"]
     assert loads == raw.stats["misses"] + raw.stats["wasted_loads"] + raw.stats["prefetch_loads"]
     assert residual.stats["residual_decodes"] == loads > 0 and raw.stats["residual_decodes"] == 0
@@ -186,16 +189,13 @@ def test_residual_transfer_gives_the_same_tokens_with_fewer_bytes(tiny_name, dty
 
 
 def test_residual_transfer_keeps_batches_lossless():
-    """A batch decodes the same tokens with residual loads as with raw copies, also with the spare rows lent to the
-    verify layers and with slots pooled with them, also in full waves with grouped copies (bf16: a batch's GEMMs may round otherwise than one request's on some CPUs, so each side is
-    compared with its own shape)."""
+    """A batch decodes the same tokens with residual loads as with raw copies, also with slots pooled with the spare
+    rows (waves of every slot, grouped copies: the default) (bf16: a batch's GEMMs may round otherwise than one
+    request's on some CPUs, so each side is compared with its own shape)."""
     model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
     prompts = [prompt().tolist()[0], prompt("def f(x):").tolist()[0]]
-    options = {"raw": {}, "residual": dict(residual_transfer=True),
-               "spare": dict(residual_transfer=True, verify_spare_slots=True),  # waves of 3
-               "pooled": dict(residual_transfer=True, resident_experts_per_layer=3, verify_pooled_slots=2),
-               "pooled_copies": dict(residual_transfer=True, resident_experts_per_layer=3, verify_pooled_slots=2,
-                                     verify_wave=-1, residual_group_copies=True)}
+    options = {"raw": dict(residual_transfer=False, pooled_slots=0), "residual": dict(pooled_slots=0),
+               "pooled": dict(resident_experts_per_layer=3, pooled_slots=2)}
     runs = {}
     for name, option in options.items():
         engine = specter.SpecterEngine(model, specter.SpecterConfig(**{"k": 4, "resident_experts_per_layer": 2,
@@ -203,11 +203,12 @@ def test_residual_transfer_keeps_batches_lossless():
         runs[name] = ([r.token_ids for r in engine.generate(prompts, 12)],
                       [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts],
                       engine.generate(prompts, 12)[0].stats["residual_decodes"])
-    assert runs["residual"][:2] == runs["raw"][:2] == runs["spare"][:2] == runs["pooled"][:2] == runs["pooled_copies"][:2]
+    assert runs["residual"][:2] == runs["raw"][:2] == runs["pooled"][:2]
     assert runs["residual"][2] > 0 and runs["raw"][2] == 0
 
 
-def test_residual_transfer_needs_16_bit_experts():
+def test_residual_transfer_switches_itself_off_for_float32_experts():
     config = specter.SpecterConfig(k=2, resident_experts_per_layer=1, residual_transfer=True)
-    with pytest.raises(specter.SpecterError, match="16-bit experts"):
-        specter.SpecterEngine(fresh("tiny"), config).generate(prompt(), 4)
+    out = specter.SpecterEngine(fresh("tiny"), config).generate(prompt(), 4)
+    assert out.stats["mechanisms"]["residual_transfer"].startswith("off: residual_transfer needs 16-bit experts")
+    assert out.stats["residual_decodes"] == 0 and out.token_ids == hf_greedy("tiny", prompt(), 4)

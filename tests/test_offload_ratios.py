@@ -1,4 +1,4 @@
-"""scripts/offload_ratios.py: variants over Specter, file by file, and their spread over files."""
+"""benchmarks/offload_ratios.py: variants over Specter, file by file, and their spread over files."""
 import csv
 
 import pytest
@@ -53,3 +53,17 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, content, message):
         path.write_text(content)
     with pytest.raises(SystemExit, match=message):
         ratios.main([str(path)])
+
+
+def test_a_row_log_csv_compares_the_paper_design_with_specter(tmp_path):
+    """bench_offload's rows as RowLog writes them (commit, host and workload first): specter_paper is the
+    variant `paper`."""
+    path = tmp_path / "offload.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["commit", "host", "workload", *COLUMNS, "tpot_over_paper"])
+        writer.writeheader()
+        for system, tpot in (("specter_paper", 25.0), ("specter", 15.0)):
+            writer.writerow({"commit": "abc1234", "host": "h", "workload": "dsv2 mem=low", "system": system,
+                             "tpot_ms": tpot, "model": "dsv2", "mem": "low", "k": 32})
+    [record] = ratios.ratios(path, ratios.read_rows(path))
+    assert record["variant"] == "paper" and record["ratio"] == pytest.approx(25 / 15) and record["spread"] == "?"

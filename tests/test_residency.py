@@ -78,11 +78,13 @@ def test_random_plans_give_the_reference_output_and_consistent_counters(slots):
     assert cache.counters.loads_ahead > 0 or slots == 1
 
 
+@pytest.mark.parametrize("wave", [0, -1])
 @pytest.mark.parametrize("slots, spare_rows", [(1, 3), (2, 2)])
-def test_spare_slots_stream_wider_waves_with_the_reference_output(slots, spare_rows):
-    """verify_spare_slots: waves of half of slots + spare rows, every output the reference's, every slot released,
-    and each layer back to its own slots (the lent rows with the spares) once it is done."""
-    rng, (manager, store) = random.Random(7), make_runtime(slots, 7, spare_rows, spare_slots=True)
+def test_spare_slots_stream_wider_waves_with_the_reference_output(slots, spare_rows, wave):
+    """Pooled slots (spare slots): waves of half (0) or all (-1, what pooled slots run) of slots + spare rows, every
+    output the reference's, every slot released, and each layer back to its own slots (the lent rows with the
+    spares) once it is done."""
+    rng, (manager, store) = random.Random(7), make_runtime(slots, 7, spare_rows, spare_slots=True, wave=wave)
     cache, sizes = manager.cache, []
     run_wave = manager._run_wave
     manager._run_wave = lambda step, wave: (sizes.append(len(wave)), run_wave(step, wave))
@@ -100,7 +102,7 @@ def test_spare_slots_stream_wider_waves_with_the_reference_output(slots, spare_r
                 slots_of = cache.layers[layer]
                 assert all(p == 0 for p in slots_of.protected)
                 assert sum(row is not None for row in slots_of.rows) <= slots
-    assert max(sizes) == max(1, (slots + spare_rows) // 2) and len(cache.spares) <= spare_rows
+    assert max(sizes) == wave_size(wave, slots + spare_rows) and len(cache.spares) <= spare_rows
 
 
 def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
@@ -161,9 +163,9 @@ def test_wave_size_is_the_option_half_the_slots_or_every_slot(option, slots, siz
 
 
 def test_deferred_loads_start_before_the_router_wait_and_after_the_loads_ahead():
-    """With residual_group_copies nothing a layer loaded may wait for its group while the host launches waves,
-    waits for the router or runs the next layer's attention: the manager starts the loads after each batch of
-    loads into released slots, before the router wait and after the loads ahead."""
+    """With grouped copies (residual transfer) nothing a layer loaded may wait for its group while the host launches
+    waves, waits for the router or runs the next layer's attention: the manager starts the loads after each batch
+    of loads into released slots, before the router wait and after the loads ahead."""
     manager, _ = make_runtime(slots=4, seed=0, ahead_layers=1)
     cache, events = manager.cache, []
     run_wave, load_ahead, start = manager._run_wave, cache.load_ahead, cache.start_loads

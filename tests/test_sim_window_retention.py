@@ -1,4 +1,4 @@
-"""scripts/sim_window_retention.py: what each retention policy keeps, and loads per window on a small trace."""
+"""benchmarks/sim_window_retention.py: what each retention policy keeps, and loads per window on a small trace."""
 
 import pytest
 

@@ -9,20 +9,14 @@ from omegaconf import OmegaConf
 from experiments import systems as systems_module
 from experiments.settings import DERIVED, model_choice, specter_config, specter_fields
 from experiments.systems import build_system, known_systems
-from specter.config import SpecterConfig
+from specter.config import PAPER_DESIGN, SpecterConfig
+from specter.mechanisms import resolve
 from specter.errors import SpecterError
 from tests.cli import compose_with
 from tests.conftest import tiny_model
 
-NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "prefetch_victims": "stale",
-               "initial_chunk": 3,
-               "early_read_fraction": 0.5, "prefetch_chunk": 2, "verify_wave": 2, "load_ahead_layers": 0,
-               "copy_streams": 2, "spare_rows": 8, "verify_spare_slots": True, "verify_pooled_slots": 1,
-               "cuda_graph": False, "draft_compile": True, "draft_ahead": True, "draft_ahead_branch": True, "draft_ahead_prompt": False,
-               "draft_ahead_in_flight": 4,
-               "draft_decode_pairs": 0, "residual_transfer": True, "residual_decode_programs": 32,
-               "residual_decode_group": 4, "residual_group_copies": True, "host_experts": True, "host_expert_threads": 3,
-               "copy_issue": "cudart", "max_cache_len": 512}
+NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "cuda_graph": False,
+               "draft_compile": False, "draft_ahead": False, "residual_transfer": False, "pooled_slots": 1}
 SPECTER_SYSTEMS = [name for name in known_systems() if name == "specter" or name.startswith("specter_")]
 
 
@@ -61,16 +55,20 @@ def test_specter_variants_are_overrides_of_the_specter_group(system):
     """An ablation file is the Specter factory plus a `specter:` block of group fields, applied on top of the
     run's group: the rest of the run's options reach the ablation unchanged."""
     raw = OmegaConf.load(systems_module.SYSTEM_CONF / f"{system}.yaml")
-    assert set(raw) <= {"_target_", "specter"} and raw._target_ == "experiments.systems.make_specter"
+    paper = system != "specter"  # specter_paper and the paper's ablations of its design
+    factory = "experiments.systems.make_specter_paper" if paper else "experiments.systems.make_specter"
+    assert set(raw) <= {"_target_", "specter"} and raw._target_ == factory
     block = dict(raw.get("specter") or {})
-    assert set(block) <= set(specter_fields()) and (system == "specter") == (not block)
-    cfg = compose_with("specter.top_p=0.9", "specter.spare_rows=8", "specter.eviction=popularity")
+    assert set(block) <= set(specter_fields()) and (system in ("specter", "specter_paper")) == (not block)
+    cfg = compose_with("specter.top_p=0.9", "specter.eviction=popularity", "mem.slots=3")
     model = tiny_model("tiny")
     run = specter_config(cfg, model.spec)
     built = build_system(system, model, run)
-    assert built.config == dataclasses.replace(run, **block)
-    assert built.config.top_p == 0.9 and built.config.spare_rows == block.get("spare_rows", 8)
-    assert built.config.eviction == block.get("eviction", "popularity")
+    asked = SpecterConfig.paper(**{**dataclasses.asdict(run), **block, **PAPER_DESIGN}) if paper else \
+        dataclasses.replace(run, **block)
+    assert built.config == resolve(asked, model).config
+    assert built.config.top_p == 0.9 and built.config.eviction == "popularity"
+    assert (built.config.residual_transfer, built.config.draft_ahead) == ((False, False) if paper else (False, True))
 
 
 @pytest.mark.parametrize("override,message", [
@@ -81,13 +79,12 @@ def test_specter_variants_are_overrides_of_the_specter_group(system):
     ("specter.top_p=0", "top_p must be a number in (0, 1], got 0"),
     ("specter.top_p=1.5", "top_p must be a number in (0, 1], got 1.5"),
     ("specter.eviction=fifo", "eviction must be 'lru', 'lookahead' or 'popularity', got 'fifo'"),
-    ("specter.spare_rows=-1", "spare_rows must be an integer >= 0, got -1"),
-    ("specter.spare_rows=1.5", "spare_rows must be an integer >= 0, got 1.5"),
+    ("specter.pooled_slots=-1", "pooled_slots must be an integer >= 0, got -1"),
+    ("specter.pooled_slots=1.5", "pooled_slots must be an integer >= 0, got 1.5"),
     ("specter.prefetch=1", "prefetch must be true or false, got 1"),
-    ("specter.copy_streams=3", "copy_streams must be 1 or 2, got 3"),
-    ("specter.max_cache_len=0", "max_cache_len must be an integer >= 1, got 0"),
-    ("k=2.5", "k must be an integer >= 1, got 2.5"),
-    ("k=true", "k must be an integer >= 1, got True"),
+    ("+specter.spare_rows=8", "unknown Specter option specter.spare_rows"),
+    ("k=2.5", "k must be an integer >= 1 or None, got 2.5"),
+    ("k=true", "k must be an integer >= 1 or None, got True"),
     ("temperature=-1", "temperature must be a finite number >= 0, got -1"),
     ("temperature=inf", "temperature must be a finite number >= 0, got inf"),
     ("seed=abc", "seed must be an integer, got 'abc'"),
@@ -104,7 +101,7 @@ def test_bad_specter_block_in_a_system_file_is_one_line(tmp_path, monkeypatch):
     config, model = SpecterConfig(resident_experts_per_layer=2), tiny_model("tiny")
     for name, block, message in (("a", "k: 2", "conf/system/a.yaml: specter.k is not a Specter option here"),
                                  ("b", "spare_row: 0", "conf/system/b.yaml: unknown Specter option specter.spare_row"),
-                                 ("c", "spare_rows: -2", "spare_rows must be an integer >= 0, got -2")):
+                                 ("c", "pooled_slots: -2", "pooled_slots must be an integer >= 0, got -2")):
         (tmp_path / f"{name}.yaml").write_text(f"_target_: experiments.systems.make_specter\nspecter:\n  {block}\n")
         with pytest.raises(SpecterError, match=message):
             build_system(name, model, config)
@@ -114,17 +111,9 @@ BAD_VALUES = [("k", True), ("k", 2.5), ("k", "4"), ("k", 0), ("resident_experts_
               ("resident_experts_per_layer", 0), ("temperature", math.nan), ("temperature", math.inf),
               ("temperature", -1), ("temperature", "0"), ("temperature", True), ("top_p", 0), ("top_p", 1.5),
               ("top_p", math.nan), ("top_p", True), ("seed", 1.5), ("seed", True), ("seed", "0"), ("prefetch", 1),
-              ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("draft_compile", 1), ("draft_ahead", "yes"), ("draft_ahead_branch", 1), ("draft_ahead_prompt", "yes"),
-              ("draft_ahead_in_flight", -1), ("draft_decode_pairs", -1), ("draft_decode_pairs", 1.5), ("residual_transfer", 1), ("residual_decode_programs", -1),
-              ("residual_decode_group", 0), ("residual_group_copies", 1), ("verify_spare_slots", "yes"), ("verify_pooled_slots", -1),
-              ("verify_pooled_slots", 1.5), ("host_experts", "no"), ("host_expert_threads", -1),
-              ("host_expert_threads", 1.5), ("copy_issue", "dma"), ("copy_issue", None),
-              ("eviction", "fifo"), ("prefetch_victims", "none"), ("prefetch_victims", None),
-              ("eviction", None), ("initial_chunk", 0), ("initial_chunk", True), ("prefetch_chunk", 0),
-              ("early_read_fraction", math.nan), ("early_read_fraction", 1.5), ("early_read_fraction", -0.1),
-              ("verify_wave", -2), ("verify_wave", 0.5), ("load_ahead_layers", -1), ("copy_streams", 3),
-              ("copy_streams", True), ("copy_streams", 2.0), ("spare_rows", -1), ("spare_rows", 1.5),
-              ("max_cache_len", 0)]
+              ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("draft_compile", 1),
+              ("draft_ahead", "yes"), ("residual_transfer", 1), ("pooled_slots", -1), ("pooled_slots", 1.5),
+              ("pooled_slots", True), ("eviction", "fifo"), ("eviction", None)]
 
 
 @pytest.mark.parametrize("name,value", BAD_VALUES)
@@ -137,7 +126,22 @@ def test_specter_config_refuses_bad_values(name, value):
 
 def test_specter_config_checks_every_field_and_stores_numbers_as_floats():
     assert {name for name, _ in BAD_VALUES} == {field.name for field in dataclasses.fields(SpecterConfig)}
-    config = SpecterConfig(temperature=1, top_p=1, early_read_fraction=0)
-    assert [type(v) for v in (config.temperature, config.top_p, config.early_read_fraction)] == [float] * 3
-    assert SpecterConfig(k=1, resident_experts_per_layer=1, seed=-5, copy_streams=2, verify_wave=0,
-                         load_ahead_layers=0, spare_rows=0, early_read_fraction=1, top_p=1e-9).k == 1
+    config = SpecterConfig(temperature=1, top_p=1)
+    assert [type(v) for v in (config.temperature, config.top_p)] == [float] * 2
+    assert SpecterConfig(k=1, resident_experts_per_layer=1, seed=-5, pooled_slots=0, top_p=1e-9).k == 1
+
+
+def test_the_default_is_the_fastest_configuration_and_paper_is_the_papers_design():
+    default, paper = SpecterConfig(), SpecterConfig.paper()
+    assert len(dataclasses.fields(SpecterConfig)) <= 15
+    assert (default.residual_transfer, default.draft_ahead, default.draft_compile, default.pooled_slots) == \
+        (True, True, True, 2)
+    assert (paper.residual_transfer, paper.draft_ahead, paper.draft_compile, paper.pooled_slots) == \
+        (False, False, False, 0)
+    assert dataclasses.replace(paper, **{name: getattr(default, name) for name in PAPER_DESIGN}) == default
+    assert SpecterConfig.paper(k=8, eviction="popularity").k == 8 and SpecterConfig.paper(draft_ahead=True).draft_ahead
+
+
+def test_the_main_experiment_compares_the_default_with_the_papers_design():
+    assert list(compose_with().systems) == ["specter", "specter_paper", "target_only"]
+    assert len(known_systems()) <= 14

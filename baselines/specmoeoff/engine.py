@@ -18,7 +18,7 @@ from specter.inputs import check_batch, check_prompt, is_batch
 from specter.kernels.moe_align import MoEWorkspace
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.draft_graph import DraftGraphCache
+from specter.draft.graph import DraftGraphCache
 from specter.offload.runtime import OffloadConfig, serving
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import DEFAULT_H2D_BYTES_PER_MS, WindowPlan

@@ -36,6 +36,15 @@ class ModelSpec:
     description: str = ""
     aliases: tuple[str, ...] = field(default=())
     routing_profile: RoutingProfile | None = None  # weights="calibrated": fitted by scripts/fit_calibration.py
+    depth_k: dict[str, int] = field(default_factory=dict)  # memory preset -> the depth experiment's best K
+
+    def k_for(self, slots: int | None) -> int:
+        """The speculation depth for `slots` resident experts per layer: the depth profile's best K of the
+        memory preset with that many slots where one was measured, else `default_k`."""
+        for preset, preset_slots in self.mem_presets.items():
+            if preset_slots == slots and preset in self.depth_k:
+                return self.depth_k[preset]
+        return self.default_k
 
     @property
     def is_tiny(self) -> bool:
@@ -169,6 +178,7 @@ _SPECS = [
              norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_parameters=DSV2_ROPE,
              bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False),
         default_k=16, mem_presets={"high": 16, "low": 4}, hf_repo="deepseek-ai/DeepSeek-V2-Lite",
+        depth_k={"high": 16, "low": 32},  # results/reference/calibrated-h200/depth-s14-dsv2-*/best_k.json
         description="DeepSeek-V2-Lite (16B, 64 routed experts top-6)",
         routing_profile=RoutingProfile(  # fitted at full depth on the H200 (float32, 6 prompts x 128 tokens)
             factors=((0.9964, 3.0375), (0.4120, 14.447), (0.3025, _INF)), token_weight=1.0, accept_gain=350.38,
@@ -184,6 +194,7 @@ _SPECS = [
              norm_topk_prob=False, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_parameters=THETA_1E6,
              use_sliding_window=False, bos_token_id=151643, eos_token_id=151643, tie_word_embeddings=False),
         default_k=8, mem_presets={"high": 15, "low": 8}, hf_repo="Qwen/Qwen1.5-MoE-A2.7B",
+        depth_k={"high": 24, "low": 24},  # results/reference/calibrated-h200/depth-s14-qwen-*/best_k.json
         description="Qwen1.5-MoE-A2.7B (14B, 60 routed experts top-4)",
         routing_profile=RoutingProfile(  # fitted at full depth on the H200 (float32, 6 prompts x 128 tokens)
             factors=((1.0428, 1.5079), (0.4052, 50.735), (0.3012, _INF)), token_weight=1.0, accept_gain=454.63,

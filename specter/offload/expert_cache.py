@@ -54,10 +54,6 @@ class LayerSlots:
         """A slot without a row (it borrows a spare when loaded), or None."""
         return next((s for s in self.lru if self.rows[s] is None), None)
 
-    def read_since(self, window: int) -> frozenset:
-        """Resident experts a verification of window `window` or later has read."""
-        return frozenset(e for e, s in self.slot_of.items() if self.read_in[s] >= window)
-
 
 @dataclass
 class CacheCounters:
@@ -122,17 +118,15 @@ class ExpertCache:
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
-                 streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_programs: int = 0,
-                 decode_group: int = 1, prefetch_victims: str = "any", spare_slots: bool = False) -> None:
+                 streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_group: int = 1,
+                 spare_slots: bool = False) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
-        self.decode_launcher = None if residuals is None else residuals.launcher(decode_programs)
+        self.decode_launcher = None if residuals is None else residuals.launcher()
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
-                    (decode_programs, decode_group) if residuals is not None else None,
-                    prefetch_victims, spare_slots)  # offload_experts compares
-        self.prefetch_victims = prefetch_victims  # "stale": a prefetch keeps what the previous window read
+                    decode_group if residuals is not None else None, spare_slots)  # offload_experts compares
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
                               for layer in range(store.num_layers)] if grouped else None
@@ -292,13 +286,10 @@ class ExpertCache:
         """Start loading `expert` unless resident; False if every unprotected slot holds an expert of `keep`
         (this window's plan) or of `predicted` (the experts the window's draft has routed to): a prefetch
         only replaces an expert with no sign of being needed, since evicting a predicted one would just
-        move its load into verification. With prefetch_victims "stale" it also keeps what the previous
-        window's verification read."""
+        move its load into verification."""
         slots = self.layers[layer]
         if expert in slots.slot_of:
             return True
-        if self.prefetch_victims == "stale":
-            keep = keep | slots.read_since(self.window - 1)
         loaded = self._load_unless_kept(layer, expert, PREFETCH, keep | predicted, predicted=predicted)
         self.counters.prefetch_loads += loaded
         return loaded

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specter.kernels.slot_moe import row_views
-from specter.offload.cudart import pin
+from specter.offload.pinned import pin
 
 
 class HostExpertStore:

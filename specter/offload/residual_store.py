@@ -12,7 +12,7 @@ import torch
 
 from specter.errors import SpecterError
 from specter.kernels.residual_decode import TRITON_AVAILABLE, DecodeLauncher, DecodePlan, expert_operands
-from specter.offload.cudart import pin
+from specter.offload.pinned import pin
 from specter.offload.host_store import HostExpertStore
 from specter.quant.int4 import Int4Linear, select_expert
 from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_experts, expert_layout

@@ -8,62 +8,48 @@ from dataclasses import dataclass, field
 import torch
 
 from specter.config import SpecterConfig
-from specter.defaults import config_default
 from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.kernels.moe_align import MoEWorkspace
-from specter.offload.cudart import copy_issuer
 from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
 from specter.offload.residual_store import ResidualExpertStore
 from specter.offload.streams import DeviceStreams
-from specter.verify.host_experts import HostCost, HostExpertRunner
 from specter.verify.residency import ResidencyManager, VerifyOptions
+
+
+SPARE_ROWS = 4  # device rows shared by all layers beyond the slots: a load never waits for its victim's readers
+DECODE_GROUP = 8  # residual loads of one layer decoded by one launch (the fastest of 1, 4 and 8 measured)
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """The slot cache one system decodes through and how it verifies (the defaults are SpecterConfig's).
-    Systems sharing a model share its cache while their slots, policy and spare rows agree."""
+    """The slot cache one system decodes through and how it verifies. The defaults are the paper's design (raw
+    copies, LRU, waves of half the slots), which the baselines share; Specter's engine sets its own.
+    Systems sharing a model share its cache while their slots, policy, spare rows and transfer format agree."""
 
     slots: int
-    policy: str = config_default("eviction")
-    spare_rows: int = config_default("spare_rows")
-    prefetch_victims: str = config_default("prefetch_victims")
+    policy: str = "lru"
+    spare_rows: int = SPARE_ROWS
     verify: VerifyOptions = field(default_factory=VerifyOptions)
-    residual: bool = config_default("residual_transfer")
-    decode_programs: int = config_default("residual_decode_programs")
-    decode_group: int = config_default("residual_decode_group")
-    copy_issue: str = config_default("copy_issue")  # how copies are issued (not part of the cache)
-    group_copies: bool = config_default("residual_group_copies")  # a decode group's copies issued together
-    spare_slots: bool = config_default("verify_spare_slots")  # verify layers stream through the spare rows too
-    pooled_slots: int = config_default("verify_pooled_slots")  # of `slots`, per layer, moved to the spare rows
+    residual: bool = False  # loads move residual blobs; a decode group's copies are issued together
+    pooled_slots: int = 0  # of `slots`, per layer, moved to the spare rows and lent to the verify layers
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
-        verify = VerifyOptions(config.expert_wise, config.verify_wave, config.load_ahead_layers, config.copy_streams,
-                               config.host_experts, config.host_expert_threads)
-        return cls(config.resident_experts_per_layer, config.eviction, config.spare_rows, config.prefetch_victims, verify,
-                   config.residual_transfer, config.residual_decode_programs, config.residual_decode_group,
-                   config.copy_issue, config.residual_group_copies, config.verify_spare_slots,
-                   config.verify_pooled_slots)
-
-    def pooled_problem(self) -> str:
-        """Why `pooled_slots` cannot be met ("" when it can): each layer keeps at least one slot of its own."""
-        if self.pooled_slots < self.slots:
-            return ""
-        return (f"verify_pooled_slots={self.pooled_slots} leaves no slot of its own per layer at {self.slots} "
-                "resident experts per layer")
+        """The cache of a (resolved) SpecterConfig: with pooled slots, waves of every slot a layer holds."""
+        verify = VerifyOptions(config.expert_wise, -1 if config.pooled_slots else 0)
+        return cls(config.resident_experts_per_layer, config.eviction, SPARE_ROWS, verify, config.residual_transfer,
+                   config.pooled_slots)
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once):
         `slots - pooled_slots` slots per layer and `pooled_slots` rows of each layer added to the spare rows,
-        lent to the verify layers (pooled slots imply spare slots)."""
+        lent to the verify layers."""
         spare_rows = self.spare_rows + self.pooled_slots * len(model.experts)
         return offload_experts(model, self.slots - self.pooled_slots, self.policy, spare_rows, self.residual,
-                               self.decode_programs, self.decode_group, self.prefetch_victims,
-                               self.spare_slots or self.pooled_slots > 0)
+                               self.pooled_slots > 0)
 
 
 @dataclass
@@ -79,18 +65,6 @@ class OffloadRuntime:
     routing: RoutingCounts
     residency: ResidencyManager
     residuals: ResidualExpertStore | None = None
-    host_runner: HostExpertRunner | None = None  # made by the first `host_experts` call (kept)
-
-    def host_experts(self, act, cost: HostCost | None = None, threads: int = 0) -> HostExpertRunner:
-        """The worker that runs experts on the host with `threads` torch threads (0: torch's count), made on
-        first use (again when `threads` differs) with `cost` or, by default, a cost its thread measures then
-        (`act`: the experts' activation)."""
-        if self.host_runner is not None and self.host_runner.threads != threads:
-            self.host_runner.close()
-            self.host_runner = None
-        if self.host_runner is None:
-            self.host_runner = HostExpertRunner(self.store, cost, act, threads)
-        return self.host_runner
 
 
 @dataclass
@@ -148,21 +122,15 @@ def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStor
     return store
 
 
-def offload_experts(model, slots: int, policy: str = config_default("eviction"),
-                    spare_rows: int = config_default("spare_rows"),
-                    residual: bool = config_default("residual_transfer"),
-                    decode_programs: int = config_default("residual_decode_programs"),
-                    decode_group: int = config_default("residual_decode_group"),
-                    prefetch_victims: str = config_default("prefetch_victims"),
-                    spare_slots: bool = config_default("verify_spare_slots")) -> OffloadRuntime:
+def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SPARE_ROWS, residual: bool = False,
+                    spare_slots: bool = False) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
     slot count, policy, number of spare rows or transfer format builds a new cache over the same store
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
-    on first use and kept), decoded by launches of at most `decode_programs` programs (0: no cap), each
-    for up to `decode_group` consecutive loads of one layer. `prefetch_victims`, `spare_slots`
-    (verify_spare_slots): SpecterConfig's.
+    on first use and kept), decoded `DECODE_GROUP` consecutive loads of one layer per launch. With
+    `spare_slots` the verify layers also stream through the spare rows (lent for the layer).
     The runtime's own residency manager (default verification options) becomes every layer's target
     executor.
     """
@@ -170,8 +138,7 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
     runtime = model.offload
     cache = None if runtime is None else runtime.cache
-    key = (slots, policy, spare_rows, residual, (decode_programs, decode_group) if residual else None, prefetch_victims,
-           spare_slots)
+    key = (slots, policy, spare_rows, residual, DECODE_GROUP if residual else None, spare_slots)
     if cache is not None and cache.key == key:
         return runtime
     if model.host_store is None:
@@ -187,10 +154,9 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
         release_device_memory()
     routing = RoutingCounts()
     cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows,
-                        residuals if residual else None, decode_programs, decode_group, prefetch_victims, spare_slots)
+                        residuals if residual else None, DECODE_GROUP, spare_slots)
     residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
-    host_runner = None if runtime is None else runtime.host_runner
-    runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals, host_runner)
+    runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals)
     for module in model.experts:
         module.target_executor = residency
     model.offload = runtime
@@ -201,16 +167,12 @@ def offload_experts(model, slots: int, policy: str = config_default("eviction"),
 def serving(model, config: OffloadConfig, workspace: MoEWorkspace) -> Iterator[OffloadSession]:
     """For the duration of one call: the model's runtime with `config`'s cache (rebuilt if another system
     left another one), a residency manager with `config.verify` and `workspace` as every layer's target
-    executor, the copy streams split as `config.verify.copy_streams` asks and copies issued as
-    `config.copy_issue` says (a decode group's together with `config.group_copies`); the model's previous
+    executor, and with residual transfer a decode group's copies issued together; the model's previous
     executors and stream settings afterwards."""
     runtime = config.attach(model)
-    host = runtime.host_experts(model.experts[0].act_fn, threads=config.verify.host_threads) \
-        if config.verify.host_experts else None
-    residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace, host)
+    residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace)
     with attributes_set(model.experts, target_executor=residency), \
-            attributes_set([runtime.streams], split_waiting_copies=config.verify.copy_streams == 2,
-                           h2d=copy_issuer(config.copy_issue), group_copies=config.group_copies):
+            attributes_set([runtime.streams], group_copies=config.residual):
         yield OffloadSession(runtime, residency)
 
 

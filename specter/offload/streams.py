@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -34,11 +33,8 @@ class DeviceStreams:
         if self.cuda and self.device.index is None:  # an indexed device keeps current_stream() off torch's slow
             self.device = torch.device("cuda", torch.cuda.current_device())  # device lookup (per call)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.waiting_stream = torch.cuda.Stream(self.device) if self.cuda else None  # used when split
         self.decode_stream = torch.cuda.Stream(self.device) if self.cuda else None  # residual decodes
-        self.split_waiting_copies = False  # copies into slots still in use go to `waiting_stream`
         self.group_copies = False  # a decode group's blob copies are issued together, when its decode launches
-        self.h2d: Callable | None = None  # h2d(dst, src, stream) issues a copy (cudart.copy_issuer); None: copy_
         self.staging = StagingRows(self.device)  # residual blobs between their copy and their decode
         self._newest_decode = None  # ready event of the last decode launched (decodes run in order on one stream)
         self._pending: PendingDecodes | None = None  # grouped residual loads not decoded yet
@@ -69,10 +65,7 @@ class DeviceStreams:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, demand: bool = False, previous=None):
         """dst <- src on the copy stream once `after` (dst's row's last use) has passed; returns its ready event.
 
-        With `split_waiting_copies`, a copy whose `after` has not passed yet goes to a second stream, so
-        copies into free slots do not queue behind it; it then also waits for `previous` (the row's last
-        copy, which may be on the other stream). On CPU the copy is synchronous; a `demand` copy (compute
-        is waiting for it) counts as a stall.
+        On CPU the copy is synchronous; a `demand` copy (compute is waiting for it) counts as a stall.
         """
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
@@ -82,12 +75,7 @@ class DeviceStreams:
             self.flush_decodes()
         start, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = self.copy_stream
-        if self.split_waiting_copies:
-            stream = self.waiting_stream if after is not None and not after.query() else self.copy_stream
-            for event in (after, previous):
-                self.waits.wait(stream, event)  # the row's last copy may be on the other stream
-        else:
-            self.waits.wait(stream, after)
+        self.waits.wait(stream, after)
         self._issue_copy(dst, src, stream, start, ready)
         self.log.copies.append(CopyRecord(start, ready, nbytes, after))
         return ready
@@ -96,14 +84,8 @@ class DeviceStreams:
         self._issue_copies([(dst, src)], stream, start, end)
 
     def _issue_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], stream, start, end) -> None:
-        """dst <- src for each (dst, src) on `stream`, back to back between the events `start` and `end`:
-        through `h2d` where set (no stream switch), else torch's copy_ with `stream` made current for them."""
-        if self.h2d is not None:
-            start.record(stream)
-            for dst, src in pairs:
-                self.h2d(dst, src, stream)
-            end.record(stream)
-            return
+        """dst <- src for each (dst, src) on `stream`, back to back between the events `start` and `end`
+        (torch's copy_ with `stream` made current for them)."""
         compute = self.compute_stream()
         torch.cuda.set_stream(stream)  # not `with torch.cuda.stream(...)`: it looks the device up twice per copy
         try:
@@ -342,7 +324,6 @@ class DeviceStreams:
             self.flush_decodes()
             self.compute_stream().synchronize()
             self.copy_stream.synchronize()
-            self.waiting_stream.synchronize()
             self.decode_stream.synchronize()
 
     def reset_stats(self) -> None:

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from specter.offload.expert_cache import ExpertCache
 from specter.prefetch.lookahead import PatternAnalyzer, Ranking
 
+INITIAL_CHUNK = 1  # draft tokens of the Cold Start chunk (observed before the first prefetch)
+PREFETCH_CHUNK = 1  # draft steps whose compute one prefetch batch's transfer may span (a batch per draft token)
+EARLY_READ_FRACTION = 0.15  # the Cold Start's last step reports its first ceil(0.15 x MoE layers) layers early
+
 Rows = dict[int, list[tuple[int, int]]]  # layer -> [(expert, count)], most routed first
 
 COLD_START, PREFETCH_OVERLAP, FINAL_CLEANUP = "cold_start", "prefetch_overlap", "final_cleanup"

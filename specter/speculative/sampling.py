@@ -34,19 +34,6 @@ def next_token(logits: torch.Tensor, config, generator: torch.Generator | None
     return sample(p, generator).view(1), p
 
 
-MARGIN_UNITS = 1024  # draft_choices' margin: logit units x this, rounded
-
-
-def draft_choices(logits: torch.Tensor) -> torch.Tensor:
-    """[B, 3] long from logits [B, V]: the greedy token (argmax), the runner-up (argmax of the rest) and the
-    logit margin between them in 1 / MARGIN_UNITS units (a small margin: where the target's pick is likelier
-    to differ)."""
-    top = logits.argmax(dim=-1, keepdim=True)  # [B, 1]
-    runner_up = logits.scatter(-1, top, float("-inf")).argmax(dim=-1, keepdim=True)  # [B, 1]
-    margin = logits.gather(-1, top).float() - logits.gather(-1, runner_up).float()  # [B, 1]
-    return torch.cat([top, runner_up, (margin * MARGIN_UNITS).round().long()], dim=-1)
-
-
 def seeded_generator(config, device: torch.device) -> torch.Generator | None:
     """A generator seeded with `config.seed` for sampling (None when greedy): the same draws per request."""
     if config.greedy:

@@ -1,7 +1,6 @@
 """Verification residency manager: expert-wise target execution, cache hits first while misses stream in."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,20 +22,17 @@ from specter.kernels.slot_moe import (
 )
 from specter.offload.eviction import RoutingCounts
 from specter.offload.expert_cache import ExpertCache
-from specter.verify.host_experts import DEFAULT_H2D_BYTES_PER_MS, HostExpertRunner, split_for_host
 
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """How verification streams experts (SpecterConfig's expert_wise, verify_wave, load_ahead_layers,
-    copy_streams, host_experts and host_expert_threads; the defaults are SpecterConfig's)."""
+    """How verification streams experts: expert-wise (SpecterConfig's) or token-wise, waves of `wave` experts
+    (0: half the slots, -1: every slot), and the planned loads of the next `ahead_layers` layers started when a
+    layer is done."""
 
     expert_wise: bool = config_default("expert_wise")
-    wave: int = config_default("verify_wave")
-    ahead_layers: int = config_default("load_ahead_layers")
-    copy_streams: int = config_default("copy_streams")
-    host_experts: bool = config_default("host_experts")
-    host_threads: int = config_default("host_expert_threads")
+    wave: int = 0
+    ahead_layers: int = 2
 
 
 def wave_size(option: int, slots: int) -> int:
@@ -74,12 +70,10 @@ class ResidencyManager:
     """
 
     def __init__(self, cache: ExpertCache, routing: RoutingCounts, options: VerifyOptions,
-                 workspace: MoEWorkspace, host_runner: HostExpertRunner | None = None) -> None:
+                 workspace: MoEWorkspace) -> None:
         self.cache, self.routing, self.options, self.workspace = cache, routing, options, workspace
-        self.host_runner = host_runner  # runs planned cold experts on the CPU (None: every one is loaded)
         self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
         self.plan = None  # the WindowPlan of the window being verified (None: load on demand)
-        self.between_layers = None  # called after each verify layer of the window (None: nothing)
         self.reset()
 
     def reset(self) -> None:
@@ -89,26 +83,21 @@ class ResidencyManager:
         self.host_ms = self.host_wait_ms = 0.0  # host time in verify layers, and the part waiting for routers
         self.host_load_ms = self.host_wave_ms = 0.0  # of it: issuing loads, and launching waves
         self.waves = 0  # verify waves launched (slot-kernel calls)
-        self.host_expert_runs = self.host_expert_pairs = 0  # (layer, expert)s and (token, slot) rows run on the CPU
-        self.host_expert_bytes = 0  # what their rows move over PCIe: hidden rows to the host, outputs back
 
     @contextmanager
-    def verifying(self, plan, between_layers=None) -> Iterator[None]:
-        """Verify one window with `plan` (prefetch.planner.WindowPlan, or None: load on demand) inside the block;
-        `between_layers()` runs after each of its MoE layers has queued its work (draft-ahead's steps)."""
-        self.plan, self.between_layers = plan, between_layers
+    def verifying(self, plan) -> Iterator[None]:
+        """Verify one window with `plan` (prefetch.planner.WindowPlan, or None: load on demand) inside the block."""
+        self.plan = plan
         try:
             yield
         finally:
-            self.plan = self.between_layers = None
+            self.plan = None
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         out = self._verify_layer(module, hidden, top_k_index, top_k_weights)
         self.host_ms += (time.perf_counter() - start) * 1e3
-        if self.between_layers is not None:
-            self.between_layers()
         return out
 
     def _verify_layer(self, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
@@ -138,8 +127,6 @@ class ResidencyManager:
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead, maybe still in flight
         plan = self.plan.load_order(layer) if self.plan is not None else []
         planned = [e for e in plan if e not in resident]  # most routed first
-        host, on_host = self._start_host_experts(step, planned, routing)
-        planned = [e for e in planned if e not in host]
         if len(planned) <= cache.stream_slots - len(resident):  # all in flight at once: in expert order, so that
             planned.sort()  # grouped residual copies of neighbouring experts cross as one (`residual_group_copies`)
         ready_first = sorted(resident.items(), key=lambda pair: pair[0] in ahead)  # [(expert, slot)]
@@ -149,14 +136,11 @@ class ResidencyManager:
         routed = self._observe(module, routing.result().tolist())  # the one host wait of this layer
         self.host_wait_ms += (time.perf_counter() - waited) * 1e3
         hits_possible = {e: s for e, s in resident.items() if e not in ahead}
-        cache.count_lookups(layer, [e for e in routed if e not in host], hits_possible, set(planned) | ahead,
-                            prefetched)
-        computed = resident.keys() | set(planned) | host
+        cache.count_lookups(layer, routed, hits_possible, set(planned) | ahead, prefetched)
+        computed = resident.keys() | set(planned)
         unplanned = deque(e for e in routed if e not in computed)
         self._stream(step, [], unplanned)
-        if on_host is not None:
-            self._finish_host_experts(step, on_host, len(host & set(routed)))
-        cache.return_lent_rows(layer)  # spare rows lent to this layer's waves (`spare_slots`) serve the loads ahead
+        cache.return_lent_rows(layer)  # spare rows lent to this layer's waves (pooled slots) serve the loads ahead
         for ahead in range(layer + 1, layer + 1 + self.options.ahead_layers):
             self._load_ahead(ahead)
         cache.start_loads()  # the loads ahead cross while the host runs the next layer's attention
@@ -171,33 +155,6 @@ class ResidencyManager:
             return slot_moe_waves(hidden, top_k_index, pool, inter, rows, alignment, module.act_fn, self.workspace)
         return lambda row_of_expert: slot_moe_rows_reference(hidden, top_k_index, pool, row_of_expert, inter, rows,
                                                              module.act_fn)
-
-    def _start_host_experts(self, step: LayerPass, planned: list[int], routing) -> tuple[set, object]:
-        """The planned experts that run on the CPU (`host_experts.split_for_host`) and the Future of their rows
-        (the layer's hidden rows go to the host now; the worker also waits for the router's top-k)."""
-        if self.host_runner is None or self.plan is None or not planned:
-            return set(), None
-        layer, streams = step.module.moe_layer, self.cache.streams
-        counts = self.plan.draft_counts(layer)
-        cost = self.host_runner.cost
-        rate = cost.copy_bytes_per_ms or streams.measured_bandwidth() or DEFAULT_H2D_BYTES_PER_MS
-        host = split_for_host([(e, counts.get(e, 0)) for e in planned], cost, self.cache.load_bytes / rate)
-        if not host:
-            return set(), None
-        hidden = streams.read_later(step.hidden)  # [T, H] to the host, in flight
-        self.host_expert_bytes += step.hidden.numel() * step.hidden.element_size()
-        return host, self.host_runner.submit(layer, host, hidden, routing, step.module.act_fn)
-
-    def _finish_host_experts(self, step: LayerPass, on_host, runs: int) -> None:
-        """The host's rows into the layer's (token, slot) rows, on the compute stream (the host waits for the
-        worker here, after every GPU wave of the layer is queued)."""
-        pairs, rows = on_host.result()
-        self.host_expert_runs += runs
-        if pairs is not None:
-            self.host_expert_pairs += pairs.numel()
-            self.host_expert_bytes += pairs.numel() * 8 + rows.numel() * rows.element_size()
-            streams = self.cache.streams
-            step.rows.index_copy_(0, streams.upload(pairs), streams.upload(rows))
 
     def _load_ahead(self, layer: int) -> None:
         """Start a next layer's planned loads into its slots that hold nothing it plans to use, so the
@@ -286,8 +243,4 @@ class ResidencyManager:
             "verify_host_load_ms": self.host_load_ms,  # issuing expert loads (a grouped decode's launch included)
             "verify_host_wave_ms": self.host_wave_ms,  # launching verify waves
             "verify_waves": self.waves,
-            "host_expert_runs": self.host_expert_runs,
-            "host_expert_pairs": self.host_expert_pairs,
-            "host_expert_bytes": self.host_expert_bytes,
-            "host_expert_cost": None if self.host_runner is None else dataclasses.asdict(self.host_runner.cost),
         }

@@ -1,0 +1,113 @@
+"""`python -m specter generate`: decode a text prompt with Specter, stream the text, summarize the run on stderr."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from specter.cli import run_cli
+from specter.config import SpecterConfig
+from specter.engine import SpecterEngine
+from specter.errors import SpecterError
+from specter.models.loading import check_model_source, load_model
+from specter.offload.budget import plan_memory
+from specter.text import check_request, generate_text
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KNOWN_MECHANISMS = ("draft_graph", "draft_ahead")  # stats that say whether a mechanism ran, before "mechanisms"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are SpecterErrors (one `error:` line and exit 2 through run_cli)."""
+
+    def error(self, message: str):
+        raise SpecterError(message)
+
+
+def memory(value: str) -> str | float:
+    """--mem: a named preset (high, low) or a GPU budget in GB."""
+    if value in ("high", "low"):
+        return value
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = math.nan
+    if not math.isfinite(gb) or gb <= 0:
+        raise argparse.ArgumentTypeError(f"must be high, low or a number of GB above 0, got {value!r}")
+    return gb
+
+
+def parser() -> Parser:
+    top = Parser(prog="python -m specter", description="Speculative MoE inference with offloaded experts.")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gen = commands.add_parser("generate", help="continue a text prompt (or answer it with --chat)",
+                              description="Decode a prompt with Specter; the text streams to stdout, a summary "
+                                          "line goes to stderr.")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", required=True, help="a registered model name (tiny, tiny-qwen, dsv2, qwen, ...) "
+                                                    "or a checkpoint directory")
+    gen.add_argument("--mem", required=True, type=memory, help="resident experts per layer: the model's preset "
+                                                               "high or low, or a GPU budget in GB")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
+    gen.add_argument("--k", type=int, default=None, help="draft tokens per iteration (default: the model's)")
+    gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    gen.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                     help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
+    return top
+
+
+def resident_slots(model, mem: str | float) -> int:
+    """FP expert slots per MoE layer: the spec's preset, or as many as a GB budget holds."""
+    if isinstance(mem, str):
+        return int(model.spec.mem_presets[mem])
+    return plan_memory(model.spec, model.hf.config, model.dtype).slots_for(mem)
+
+
+def mechanisms(stats: dict) -> str:
+    """`name on, name off (why), ...` from stats["mechanisms"], else from the stats that say it."""
+    found = stats.get("mechanisms") or {k: stats[k] for k in KNOWN_MECHANISMS if isinstance(stats.get(k), str)}
+    parts = []
+    for name, state in found.items():
+        word, _, why = str(state).partition(":")
+        parts.append(f"{name} {word.strip()}" + (f" ({why.strip()})" if why.strip() else ""))
+    return ", ".join(parts) or "none reported"
+
+
+def summary(result) -> str:
+    stats = result.stats
+    tpot, rate = stats.get("tpot_ms", math.nan), stats.get("acceptance_rate", math.nan)
+    tpot_text = f"{tpot:.1f} ms" if math.isfinite(tpot) else "n/a"
+    rate_text = f"{rate:.2f}" if math.isfinite(rate) else "n/a"
+    return (f"[{len(result.token_ids)} tokens, TPOT {tpot_text}, acceptance {rate_text}, "
+            f"mechanisms: {mechanisms(stats)}]")
+
+
+def generate(args: argparse.Namespace) -> int:
+    check_request(args.prompt, args.max_new_tokens)
+    check_model_source(args.model)  # unknown names and missing directories fail before any loading
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SpecterError("--device cuda: no CUDA device is available here (use --device cpu)")
+    device = None if args.device == "auto" else args.device
+    model = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
+    k = model.spec.default_k if args.k is None else args.k
+    config = SpecterConfig(k=k, resident_experts_per_layer=resident_slots(model, args.mem))
+    engine = SpecterEngine(model, config)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")  # a console that cannot show a character shows "?"
+    result = generate_text(engine, args.prompt, args.max_new_tokens, chat=args.chat,
+                           stream=lambda piece: print(piece, end="", flush=True))
+    print(flush=True)
+    print(summary(result), file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line's exit code: 0, or 2 after one `error: ...` line on stderr."""
+    return run_cli(lambda: generate(parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The default configuration (every mechanism that won) is lossless, and says which mechanisms ran and why not."""
+import dataclasses
+
+import pytest
+import torch
+
+import specter
+from specter.config import PAPER_DESIGN
+from specter.mechanisms import MECHANISMS
+from specter.models.registry import get_spec
+from specter.models.loading import build_synthetic
+from tests.conftest import TINY_MODELS, prompt
+
+NEW = 24
+
+
+def hf_greedy_in(name: str, dtype: torch.dtype, input_ids: torch.Tensor, new: int) -> list[int]:
+    """HF `generate` (greedy) on the seeded model in `dtype`, without Specter's module swap."""
+    model = build_synthetic(get_spec(name), torch.device("cpu"), dtype, 0)
+    out = model.generate(input_ids, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                         pad_token_id=get_spec(name).hf_config["pad_token_id"])
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_the_default_equals_hf_greedy_at_tight_memory_in_bfloat16(name):
+    """bfloat16 experts, so residual transfer runs (on the CPU its decode is the torch reference); 3 slots per
+    layer, 2 of them pooled; draft-ahead wherever the model has one RoPE."""
+    model = specter.load_model(name, device="cpu", dtype=torch.bfloat16)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=3))
+    ids = prompt("Natalia sold clips")
+    out = engine.generate(ids, NEW)
+    assert out.token_ids == hf_greedy_in(name, torch.bfloat16, ids, NEW), name
+    ran = out.stats["mechanisms"]
+    assert set(ran) == set(MECHANISMS)
+    assert ran["residual_transfer"] == ran["pooled_slots"] == ran["prefetch"] == "on"
+    assert out.stats["residual_decodes"] > 0 and engine.config.pooled_slots == 2
+    assert ran["draft_ahead"] == ("off: longrope (the window length depends on the position)" if name == "tiny-phi"
+                                  else "on")
+    assert ran["cuda_graph"] == "off: no CUDA device" and ran["draft_compile"].startswith("off: no CUDA graph")
+
+
+def test_batches_and_sampling_give_correct_tokens_with_draft_ahead_off_and_say_so():
+    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=3))
+    prompts = [prompt().tolist()[0], prompt("def f(x):").tolist()[0]]
+    batch = engine.generate(prompts, 12)
+    singles = [engine.generate(torch.tensor([p]), 12).token_ids for p in prompts]
+    reference = specter.SpecterEngine(model, specter.SpecterConfig.paper(resident_experts_per_layer=3))
+    assert [r.token_ids for r in reference.generate(prompts, 12)] == [r.token_ids for r in batch]
+    assert singles == [reference.generate(torch.tensor([p]), 12).token_ids for p in prompts]
+    assert all(r.stats["mechanisms"]["draft_ahead"] == "off: batched requests (single requests only)" for r in batch)
+    sampled = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=3, temperature=0.8))
+    out = sampled.generate(prompt(), 12)
+    assert out.stats["mechanisms"]["draft_ahead"] == "off: sampling (draft-ahead is greedy only)"
+    assert len(out.token_ids) == 12 and all(0 <= t < model.vocab_size for t in out.token_ids)
+    assert sampled.generate(prompt(), 12).token_ids == out.token_ids  # seeded: repeatable
+
+
+def test_the_papers_design_has_every_new_mechanism_off():
+    paper = specter.SpecterConfig.paper()
+    assert all(getattr(paper, name) == value for name, value in PAPER_DESIGN.items())
+    model = specter.load_model("tiny", device="cpu", dtype=torch.bfloat16)
+    engine = specter.SpecterEngine(model, dataclasses.replace(paper, resident_experts_per_layer=2))
+    out = engine.generate(prompt(), 8)
+    for name in PAPER_DESIGN:
+        assert out.stats["mechanisms"][name] == "off: not asked", name
+    assert out.stats["residual_decodes"] == 0 and "draft_ahead_launches" not in out.stats
+
+
+def test_mechanisms_that_cannot_apply_switch_themselves_off_with_the_reason():
+    model = specter.load_model("tiny", device="cpu", dtype=torch.float32)
+    resident = specter.SpecterEngine(model, specter.SpecterConfig())
+    for name in ("prefetch", "residual_transfer", "pooled_slots"):
+        assert resident.mechanisms[name].startswith("off: every expert resident"), name
+    assert resident.config.k == model.spec.default_k  # no depth profile for the tiny models
+    offloaded = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=1))
+    assert offloaded.mechanisms["residual_transfer"].startswith("off: residual_transfer needs 16-bit experts")
+    assert offloaded.mechanisms["pooled_slots"].startswith("off: needs at least 2 slots per layer")
+    assert get_spec("dsv2").k_for(4) == 32 and get_spec("dsv2").k_for(16) == 16 and get_spec("dsv2").k_for(7) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_whole_default_equals_the_resident_target_on_a_calibrated_full_width_model_on_cuda():
+    """Every mechanism on (CUDA graph, compile, draft-ahead, residual transfer with grouped copies, pooled slots)
+    on calibrated dsv2 at full width with 4 layers, fp16, 4 slots per layer (2 pooled): the tokens of greedy
+    target-only decoding with every expert resident (HF's forward)."""
+    from baselines.target_only import TargetOnly
+    model = specter.load_model("dsv2", device="cuda", dtype=torch.float16, weights="calibrated", num_layers=4)
+    ids = prompt("Natalia sold clips").cuda()
+    reference = TargetOnly(model).generate(ids, 64).token_ids  # before the experts move to the host
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=4))
+    out = engine.generate(ids, 64)
+    assert all(state == "on" for state in out.stats["mechanisms"].values()), out.stats["mechanisms"]
+    assert out.stats["residual_decodes"] > 0 and out.stats["draft_ahead_launches"] > 0
+    assert out.token_ids == reference
