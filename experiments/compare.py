@@ -23,7 +23,7 @@ import pandas as pd
 
 from experiments.records import read_records
 
-TOLERANCE = 0.10  # issue 17: a re-run on another H200 lands within 10% of the published medians
+TOLERANCE = 0.10  # a re-run on another H200 is expected within 10% of the published medians
 
 
 def medians(records: pd.DataFrame, metric: str) -> pd.Series:

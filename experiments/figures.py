@@ -7,6 +7,8 @@ cannot be drawn is listed with the reason.
 """
 from __future__ import annotations
 
+import json
+
 import sys
 from pathlib import Path
 
@@ -31,6 +33,9 @@ def _save(fig, data: pd.DataFrame, out: Path, stem: str) -> list[Path]:
     data.to_csv(paths[2], index=False)
     plt.close(fig)
     return paths
+
+
+SYSTEM_LABELS = {"specter": "Specter (default)", "specter_paper": "Specter (paper's design)"}  # the two Specters
 
 
 def figure7_depth(root: Path, out: Path) -> Drawn | str:
@@ -147,25 +152,53 @@ def figure_routing_locality(root: Path, out: Path) -> Drawn | str:
 
 
 def figure14_main(root: Path, out: Path) -> Drawn | str:
-    """TPOT per dataset and system, one panel per model/memory run; one legend below the panels."""
+    """TPOT per dataset and system on a log axis, one panel per model/memory run, each bar labelled with its TPOT
+    over Specter's in the same run (a same-run ratio); "AVG" only where several datasets were averaged; one
+    legend below the panels."""
     data = measured(root, "main")
     if data.empty:
         return "no main runs (experiment=main)"
     runs = list(dict.fromkeys(data.run))
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
-    for ax, run in zip(axes[0], runs):
-        table = data[data.run == run].pivot_table(index="dataset", columns="system", values="tpot_ms", sort=False)
-        table.plot.bar(ax=ax, rot=0, legend=False)
-        ax.set(ylabel="TPOT (ms)", title=run)
+    cols = min(2, len(runs))
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    for ax, run in zip(axes.flat, runs):
+        table = main_panel(data[data.run == run])
+        table.rename(columns=system_labels(root / "main" / run)).plot.bar(ax=ax, rot=0, legend=False, logy=True)
+        if "specter" in table:
+            ratios = table.div(table["specter"], axis=0)  # [datasets, systems]: TPOT / Specter's, same run
+            for container, system in zip(ax.containers, table.columns):
+                ax.bar_label(container, labels=[f"{r:.2f}x" for r in ratios[system]], fontsize=5, rotation=90)
+        ax.set(ylabel="TPOT (ms, log scale)", title=run)
     handles = {}
-    for ax in axes[0]:
+    for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 5), fontsize=7,
                bbox_to_anchor=(0.5, -0.02))
-    fig.suptitle("Figure 14: TPOT per dataset and system")
+    fig.suptitle("Figure 14: TPOT per dataset and system (bar labels: TPOT / Specter's, same run)")
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))  # room for the legend below and the title above
     return _save(fig, data, out, "fig14_main")
+
+
+def system_labels(run_dir: Path) -> dict[str, str]:
+    """Legend names of the two Specters. A run from before the default changed (its run.json's Specter options
+    lack `pooled_slots`) ran the paper's design as `specter`."""
+    try:
+        options = json.loads((run_dir / "run.json").read_text())["config"]["specter"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return SYSTEM_LABELS
+    return SYSTEM_LABELS if "pooled_slots" in options else {"specter": "Specter (paper's design)"}
+
+
+def main_panel(rows: pd.DataFrame) -> pd.DataFrame:
+    """One run's median TPOT [datasets, systems], without the AVG row when it averages a single dataset."""
+    table = rows.pivot_table(index="dataset", columns="system", values="tpot_ms", sort=False)
+    if (table.index != "AVG").sum() < 2:
+        table = table.drop(index="AVG", errors="ignore")
+    return table
 
 
 def _batch_averages(root: Path) -> pd.DataFrame:
@@ -189,8 +222,9 @@ def figure15_batch(root: Path, out: Path) -> Drawn | str:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for (run, system), rows in data.groupby(["run", "system"], sort=False):
         rows = rows.sort_values("batch_size")
-        left.plot(rows.batch_size, rows.tpot_ms, marker="o", label=f"{system} ({run})")
-        right.plot(rows.batch_size, rows.throughput_tok_s, marker="o", label=f"{system} ({run})")
+        label = f"{SYSTEM_LABELS.get(system, system)} ({run})"
+        left.plot(rows.batch_size, rows.tpot_ms, marker="o", label=label)
+        right.plot(rows.batch_size, rows.throughput_tok_s, marker="o", label=label)
     for ax in (left, right):
         _batch_axis(ax, data.batch_size)
     left.set(ylabel="TPOT (ms, median)")

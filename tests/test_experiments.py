@@ -81,6 +81,28 @@ def test_figures_render_from_the_files(results):
     assert figures_main([str(results / "nothing-here")]) == 2
 
 
+def test_figure14_tells_the_two_specters_apart(results, tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from experiments.figures import figure14_main
+    labels = []
+    legend = matplotlib.figure.Figure.legend
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend",
+                        lambda fig, handles, names, **kw: labels.extend(names) or legend(fig, handles, names, **kw))
+    figure14_main(results, tmp_path)
+    assert {"Specter (default)", "Specter (paper's design)", "target_only"} <= set(labels)
+
+
+def test_figure14_panels_have_avg_only_over_several_datasets():
+    from experiments.figures import main_panel
+    one = pd.DataFrame({"dataset": ["gsm8k", "AVG"] * 2, "system": ["specter"] * 2 + ["mo_sm"] * 2,
+                        "tpot_ms": [10.0, 10.0, 40.0, 40.0]})
+    assert list(main_panel(one).index) == ["gsm8k"]
+    two = pd.DataFrame({"dataset": ["gsm8k", "humaneval", "AVG"], "system": ["specter"] * 3,
+                        "tpot_ms": [10.0, 20.0, 15.0]})
+    assert list(main_panel(two).index) == ["gsm8k", "humaneval", "AVG"]
+
+
 def test_calibrated_routing_run_names_its_workload_and_compares_with_the_real_row(tmp_path, capsys):
     run_in_process("experiment=routing", "model=tiny-mixtral", "model.weights=calibrated", "model.layers=2",
                    "num_prompts=1", "max_new_tokens=24", "device=cpu", f"results_dir={tmp_path / 'r'}")

@@ -39,26 +39,12 @@ def test_gc_paused_pauses_collection_and_restores_the_previous_state(enabled_bef
         gc.enable()
 
 
-def test_the_floor_of_both_paths_shares_the_missing_experts_by_rate():
-    from specter.window_accounting import floor_with_host
-
-    stats = {"host_expert_cost": {"fixed_ms": 0.2, "per_token_ms": 0.1}, "expert_load_bytes": 3e6}
-    # copies 3e6 / 1e7 = 0.3 ms a load, the host 0.3 ms an expert: together twice the rate, half the floor
-    assert floor_with_host(10.0, stats, bytes_per_ms=1e7) == 5.0
-    assert floor_with_host(10.0, {"host_expert_cost": None}, bytes_per_ms=1e7) is None
-
-
 def test_floor_stats_per_token_at_the_requests_own_copy_rate():
     from specter.window_accounting import floor_stats
 
-    stats = {"generated_tokens": 10, "h2d_bytes": 4e7, "h2d_busy_ms": 4.0, "io_floor_bytes": 2e7,
-             "host_expert_bytes": 5e5, "host_expert_cost": {"fixed_ms": 0.2, "per_token_ms": 0.1},
-             "expert_load_bytes": 3e6}
-    out = floor_stats(stats)  # 1e7 bytes/ms: the floor is 2 ms over 10 tokens
-    assert out == {"host_expert_bytes_per_token": 5e4, "io_floor_ms_per_token": 0.2,
-                   "io_floor_both_paths_ms_per_token": 0.1}
-    assert floor_stats({"generated_tokens": 4, "h2d_bytes": 0}) == {"host_expert_bytes_per_token": 0.0}
-
+    stats = {"generated_tokens": 10, "h2d_bytes": 4e7, "h2d_busy_ms": 4.0, "io_floor_bytes": 2e7}
+    assert floor_stats(stats) == {"io_floor_ms_per_token": 0.2}  # 1e7 bytes/ms: the floor is 2 ms over 10 tokens
+    assert floor_stats({"generated_tokens": 4, "h2d_bytes": 0}) == {}
 
 
 def test_rows_csv_has_a_column_for_a_key_the_first_row_lacks(tmp_path):

@@ -93,18 +93,16 @@ def test_a_file_from_before_new_columns_is_resumed_with_its_own_header(tmp_path)
     assert "io_floor_ms_per_token" not in summary and list(summary.tpot_median_ms) == [10.0, 10.0]  # gsm8k, AVG
 
 
-def test_the_summary_has_the_floor_and_the_host_paths_bytes_where_measured():
+def test_the_summary_has_the_floor_where_measured():
     import pandas as pd
 
     from experiments.records import summarize
 
-    rows = [row("specter", r) | {"io_floor_ms_per_token": 5.0, "io_floor_both_paths_ms_per_token": 4.0,
-                                 "host_expert_bytes_per_token": 2e6} for r in (0, 1)]
+    rows = [row("specter", r) | {"io_floor_ms_per_token": 5.0} for r in (0, 1)]
     rows.append(row("target_only", 0))
     summary = summarize(pd.DataFrame(rows).assign(tokens_match_target="")).set_index(["system", "dataset"])
     specter = summary.loc[("specter", "gsm8k")]
     assert specter.tpot_median_ms == 10.5 and specter.tpot_over_io_floor == 10.5 / 5.0
-    assert specter.io_floor_both_paths_ms_per_token == 4.0 and specter.host_expert_mb_per_token == 2.0
     assert pd.isna(summary.loc[("target_only", "gsm8k")].tpot_over_io_floor)
 
 
