@@ -46,6 +46,7 @@ import specter  # noqa: E402
 from baselines.target_only import TargetOnly  # noqa: E402
 from benchmarks.row_log import RowLog  # noqa: E402
 from experiments.machine import load_note, machine_state  # noqa: E402
+from specter.config import PAPER_DESIGN  # noqa: E402
 from specter.metrics import gc_paused  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 
@@ -53,20 +54,18 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold 
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
            "The tower is 324 metres tall, about the same height as an 81-storey building.",
            "Robert Boulter is an English film , television and theatre actor ."]
-PAPER = {"draft_compile": False, "draft_ahead": False, "residual_transfer": False, "pooled_slots": 0}
+PAPER = PAPER_DESIGN  # SpecterConfig.paper()'s fields
 WARMUP_TOKENS = 40  # several full windows at K <= 16: the first measured system pays no first-use costs
 
 
 def paper_config(**fields) -> specter.SpecterConfig:
     """SpecterConfig.paper(**fields): the paper's design, `fields` over it."""
-    paper = getattr(specter.SpecterConfig, "paper", None)
-    return paper(**fields) if paper is not None else specter.SpecterConfig(**{**PAPER, **fields})
+    return specter.SpecterConfig.paper(**fields)
 
 
 def default_k(spec, mem: str) -> int:
     """The model's depth-profiled K for memory setting `mem` (ModelSpec.k_for), else its default K."""
-    k_for = getattr(spec, "k_for", None)
-    return (k_for(mem) if k_for is not None else None) or spec.default_k
+    return spec.k_for(spec.mem_presets.get(mem))
 
 
 def run(system, prompts, new_tokens: int, repeats: int = 1) -> list[dict]:

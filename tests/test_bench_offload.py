@@ -178,6 +178,6 @@ def test_the_paper_system_is_the_paper_design_and_specter_the_defaults(monkeypat
 
 
 def test_default_k_is_the_depth_profile_where_the_model_has_one():
-    profiled = SimpleNamespace(default_k=16, k_for=lambda mem: {"low": 32}.get(mem))
-    assert bench.default_k(profiled, "low") == 32 and bench.default_k(profiled, "high") == 16
-    assert bench.default_k(SimpleNamespace(default_k=4), "low") == 4
+    from specter.models.registry import get_spec
+    assert bench.default_k(get_spec("dsv2"), "low") == 32 and bench.default_k(get_spec("dsv2"), "high") == 16
+    assert bench.default_k(get_spec("qwen"), "high") == 24 and bench.default_k(get_spec("tiny"), "low") == 4
