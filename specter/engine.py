@@ -57,8 +57,9 @@ class SpecterEngine:
 
     def __init__(self, model: HybridMoEModel, config: SpecterConfig | None = None) -> None:
         self.model = model
-        (config or SpecterConfig()).check_against(model.num_experts)
-        resolved = resolve(config or SpecterConfig(), model)
+        config = config or SpecterConfig()
+        config.check_against(model.num_experts)
+        resolved = resolve(config, model)
         self.config, self.mechanisms = resolved.config, resolved.mechanisms
         self.generator: torch.Generator | None = None
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)

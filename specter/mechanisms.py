@@ -38,9 +38,7 @@ def resolve(config: SpecterConfig, model) -> Resolved:
         "residual_transfer": residual_state(config.residual_transfer, slots, model.dtype),
         "pooled_slots": pooled_state(config.pooled_slots, slots),
     }
-    pooled = config.pooled_slots if states["pooled_slots"] == "on" else 0
-    if states["pooled_slots"] == "on" and config.pooled_slots >= slots:
-        pooled = slots - 1  # each layer keeps one slot of its own
+    pooled = min(config.pooled_slots, slots - 1) if states["pooled_slots"] == "on" else 0  # a slot each layer keeps
     running = dataclasses.replace(
         config, k=config.k if config.k is not None else model.spec.k_for(slots),
         cuda_graph=states["cuda_graph"] == "on", draft_compile=states["draft_compile"] == "on",

@@ -1,7 +1,6 @@
 """Text in, text out: encode a prompt, decode it with an engine, detokenize the new tokens (streamed as they commit)."""
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,28 +99,19 @@ def stream_decoder(tokenizer, stream: Callable[[str], object], eos_token_id: int
     return StreamDecoder(tokenizer, stream, eos_token_id)
 
 
-def takes_on_commit(engine) -> bool:
-    """Whether `engine.generate` takes an `on_commit` callback (called with each commit's new token ids)."""
-    try:
-        return "on_commit" in inspect.signature(engine.generate).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def generate_text(engine, prompt: str, max_new_tokens: int = 128, *, chat: bool = False,
                   stream: Callable[[str], object] | None = None, eos: bool = True) -> TextResult:
     """Continue `prompt` (with `chat`: answer it as a user turn of the tokenizer's chat template) for at most
     `max_new_tokens` tokens, stopping at the tokenizer's EOS when `eos` and it has one.
 
-    stream: called with each new piece of text; per commit when the engine's generate() takes `on_commit`,
-    else once after the decode. The pieces concatenate to the result's text."""
+    stream: called with each new piece of text as tokens commit (`engine.generate`'s `on_commit`); the pieces
+    concatenate to the result's text."""
     check_request(prompt, max_new_tokens)
     tokenizer = engine.model.tokenizer
     input_ids = torch.tensor([encode_prompt(tokenizer, prompt, chat)])
     eos_id = getattr(tokenizer, "eos_token_id", None) if eos else None
     push = stream_decoder(tokenizer, stream, eos_id) if stream is not None else None
-    hook = {"on_commit": push} if push is not None and takes_on_commit(engine) else {}
-    out = engine.generate(input_ids, max_new_tokens, eos_token_id=eos_id, **hook)
+    out = engine.generate(input_ids, max_new_tokens, eos_token_id=eos_id, on_commit=push)
     token_ids = [int(t) for t in out.token_ids]
-    text = decode_text(tokenizer, token_ids) if push is None else push.finish(token_ids)  # without a hook: all now
+    text = decode_text(tokenizer, token_ids) if push is None else push.finish(token_ids)
     return TextResult(text, token_ids, dict(out.stats))
