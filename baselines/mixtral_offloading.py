@@ -12,7 +12,7 @@ from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.inputs import check_prompt, is_batch
 from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
-from specter.metrics import GenerationResult, h2d_per_token
+from specter.metrics import GenerationResult, h2d_split
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.budget import MemoryPlan, plan_memory, specter_slots
 from specter.offload.host_store import HostExpertStore
@@ -67,10 +67,11 @@ class LayerLRU:
 
 @dataclass
 class Buffer:
-    """One expert's flat device buffer [3*I*H] and the event after the last kernel reading it (None on CPU)."""
+    """One expert's flat device buffer [3*I*H] and its (gate_up [2I, H], down [H, I]) views, made once."""
 
     data: torch.Tensor
-    last_use: object = None
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 class SwapCache:
@@ -78,10 +79,11 @@ class SwapCache:
 
     A miss copies the expert from the host store into the staging buffer at the head of the queue; that
     buffer becomes the slot, and the evicted slot's buffer goes to the tail (pointers move, no device
-    copy). A copy into a buffer first waits for the buffer's last use, and compute waits for the copy at
-    once: the original issues copies and kernels on one stream, so loads never overlap compute. The host
-    store is never written (it holds every expert), so unlike the original no evicted expert is copied
-    back to the host (one D2H copy per miss fewer: the baseline is not made slower than it is).
+    copy). Copies and kernels share the compute stream, as the original issues them on one stream: each
+    copy runs after the kernels that last read its buffer and before those that read it next, so loads
+    never overlap compute and no event orders them. The host store is never written (it holds every
+    expert), so unlike the original no evicted expert is copied back to the host (one D2H copy per miss
+    fewer: the baseline is not made slower than it is).
     """
 
     def __init__(self, store: HostExpertStore, slots: int, device: torch.device, staging: int) -> None:
@@ -92,7 +94,8 @@ class SwapCache:
         self.reset()
 
     def _new(self, device) -> Buffer:
-        return Buffer(torch.empty(self.store.numel, dtype=self.store.dtype, device=device))
+        data = torch.empty(self.store.numel, dtype=self.store.dtype, device=device)
+        return Buffer(data, *self.store.split(data))
 
     @property
     def device_bytes(self) -> int:
@@ -116,19 +119,17 @@ class SwapCache:
         return self.slots[layer][self.lru[layer].slot_of[expert]]
 
     def swap_in(self, layer: int, expert: int) -> Buffer:
-        """Load a missing expert through a staging buffer (compute waits for the copy); its buffer."""
+        """Load a missing expert through a staging buffer (on the compute stream); its buffer."""
         slot, evicted = self.lru[layer].admit(expert)
         self.counters["evictions"] += evicted is not None
         buffer = self.staging.popleft()
-        ready = self.streams.copy(buffer.data, self.store.expert(layer, expert), after=buffer.last_use, demand=True)
-        self.streams.wait(ready)
+        self.streams.copy_in_order(buffer.data, self.store.expert(layer, expert))
         self.staging.append(self.slots[layer][slot])
         self.slots[layer][slot] = buffer
         return buffer
 
-    def done(self, layer: int, expert: int, buffer: Buffer) -> None:
-        """The kernels reading `buffer` are enqueued: remember when they end; the expert may be evicted again."""
-        buffer.last_use = self.streams.record()
+    def done(self, layer: int, expert: int) -> None:
+        """The kernels reading `expert` are enqueued: it may be evicted again (its next copy queues behind them)."""
         self.lru[layer].done(expert)
 
 
@@ -137,7 +138,9 @@ class SwapExecutor:
 
     Per layer the router's experts are looked up (all marked used); up to `window` misses are swapped in,
     resident experts run first, and each consumed miss lets the next one in. Nothing is loaded before the
-    router has decided (no prefetch), and every load is waited for (synchronous, on demand).
+    router has decided (no prefetch), and every load is waited for (synchronous, on demand). A decode
+    step's routing (one token, k distinct experts) is read once on the host and its expert outputs stacked
+    in slot order; more tokens are grouped by expert (`group_by_expert`).
     """
 
     def __init__(self, cache: SwapCache, window: int) -> None:
@@ -145,22 +148,48 @@ class SwapExecutor:
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        layer, cache = module.moe_layer, self.cache
-        groups = group_by_expert(top_k_index, module.num_experts)
-        hits = [cache.lookup(layer, e) for e in groups.experts]
-        order = sorted(range(len(hits)), key=lambda i: not hits[i])  # resident experts first, then misses
-        pending, loading = deque(i for i in order if not hits[i]), deque()
-        rows = hidden.new_zeros(top_k_index.numel(), hidden.shape[-1])  # [T*k, H]
-        self._issue(layer, groups.experts, pending, loading)
-        for i in order:
-            expert = groups.experts[i]
-            buffer = cache.resident(layer, expert) if hits[i] else loading.popleft()
-            gate_up, down = cache.store.split(buffer.data)  # [2I, H], [H, I]
-            out = expert_mlp(hidden[groups.token_idx[i]], gate_up, down, module.act_fn)  # [n_e, H]
-            rows[groups.weight_idx[i]] = out.to(rows.dtype)
-            cache.done(layer, expert, buffer)
-            self._issue(layer, groups.experts, pending, loading)
+        routed = top_k_index[0].tolist() if hidden.shape[0] == 1 else []  # a decode step's k experts
+        if routed and len(set(routed)) == len(routed):
+            rows = self._decode_step(module, hidden, routed)
+        else:
+            rows = self._grouped(module, hidden, top_k_index)
         return combine_rows(rows, top_k_weights, hidden.dtype)
+
+    def _decode_step(self, module, hidden: torch.Tensor, routed: list[int]) -> torch.Tensor:
+        """One token's rows [k, H] in slot order: each routed expert on `hidden` [1, H] as it is, in ascending
+        order (as `group_by_expert` and the original's unique() order them)."""
+        experts, outs = sorted(routed), {}
+
+        def run(i: int, buffer: Buffer) -> None:
+            outs[experts[i]] = expert_mlp(hidden, buffer.gate_up, buffer.down, module.act_fn)  # [1, H]
+
+        self._run(module.moe_layer, experts, run)
+        return torch.cat([outs[e] for e in routed])
+
+    def _grouped(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Rows [T*k, H] of several tokens: each expert on its tokens, gathered (`group_by_expert`)."""
+        groups = group_by_expert(top_k_index, module.num_experts)
+        rows = hidden.new_zeros(top_k_index.numel(), hidden.shape[-1])
+
+        def run(i: int, buffer: Buffer) -> None:
+            x = hidden[groups.token_idx[i]]  # [n_e, H]
+            rows[groups.weight_idx[i]] = expert_mlp(x, buffer.gate_up, buffer.down, module.act_fn).to(rows.dtype)
+
+        self._run(module.moe_layer, groups.experts, run)
+        return rows
+
+    def _run(self, layer: int, experts: list[int], run) -> None:
+        """`run(i, buffer)` for each expert of `experts` (distinct): resident ones first, then the misses as
+        their swaps come in."""
+        cache = self.cache
+        hits = [cache.lookup(layer, e) for e in experts]
+        order = [i for i, hit in enumerate(hits) if hit] + [i for i, hit in enumerate(hits) if not hit]
+        pending, loading = deque(i for i in order if not hits[i]), deque()
+        self._issue(layer, experts, pending, loading)
+        for i in order:
+            run(i, cache.resident(layer, experts[i]) if hits[i] else loading.popleft())
+            cache.done(layer, experts[i])
+            self._issue(layer, experts, pending, loading)
 
     def _issue(self, layer: int, experts: list[int], pending: deque, loading: deque) -> None:
         while pending and len(loading) < self.window and self.cache.lru[layer].can_admit():
@@ -201,9 +230,10 @@ class MixtralOffloading:
         cache = self._swap_cache()
         cache.reset()
         with attributes_set(self.model.experts, target_executor=SwapExecutor(cache, self.staging - 1)):
-            result = self.loop.generate(input_ids, max_new_tokens)
+            result = self.loop.generate(input_ids, max_new_tokens, copied_bytes=cache.streams.copied_bytes)
         results = result if isinstance(result, list) else [result]
-        stats = self._stats(cache, sum(r.stats["generated_tokens"] for r in results))
+        decode_tokens = sum(r.stats["generated_tokens"] - 1 for r in results)
+        stats = self._stats(cache, results[0].stats["prefill_h2d_bytes"], decode_tokens)
         for r in results:
             r.stats.update(stats)
         return result
@@ -220,11 +250,11 @@ class MixtralOffloading:
             self.cache = SwapCache(store, self.slots, self.model.device, self.staging)
         return self.cache
 
-    def _stats(self, cache: SwapCache, tokens: int) -> dict:
+    def _stats(self, cache: SwapCache, prefill_bytes: int, decode_tokens: int) -> dict:
         counters = dict(cache.counters)
         lookups = counters["hits"] + counters["misses"]
-        stats = h2d_per_token({**counters, "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
-                               **cache.streams.stats()}, tokens)
+        stats = h2d_split({**counters, "hit_rate": counters["hits"] / lookups if lookups else float("nan"),
+                           **cache.streams.stats()}, prefill_bytes, decode_tokens)
         stats.update(resident_experts_per_layer=self.slots, staging_buffers=self.staging, eviction_policy="lru",
                      expert_cache_bytes=cache.device_bytes, memory_policy=self.memory)
         return stats

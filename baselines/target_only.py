@@ -1,6 +1,7 @@
 """Target-only reference: plain autoregressive decoding of the full-precision target, one token per step."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -9,7 +10,7 @@ from specter.batch.engine import active_requests, batch_results, generated_token
 from specter.batch.state import BatchState, refuse_rope_switch
 from specter.inputs import check_batch, check_prompt, is_batch
 from specter.kernels.moe_align import MoEWorkspace
-from specter.metrics import DecodeMetrics, GenerationResult, h2d_per_token
+from specter.metrics import DecodeMetrics, GenerationResult, h2d_split
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.runtime import OffloadConfig, serving
 from specter.speculative.state import StateManager
@@ -37,8 +38,11 @@ class TargetOnly:
         return True, ""
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
-        """New tokens of a [1, T] prompt; of each request for a batch (a list of prompts)."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32,
+                 copied_bytes: Callable[[], int] | None = None) -> GenerationResult | list[GenerationResult]:
+        """New tokens of a [1, T] prompt; of each request for a batch (a list of prompts). `copied_bytes`
+        (default: the expert cache's, when offloaded) reads the bytes copied so far: after the prefill it
+        gives every result's `prefill_h2d_bytes`."""
         batch = is_batch(input_ids)
         prompts = check_batch(input_ids, max_new_tokens, self.model.vocab_size) if batch else None
         input_ids = None if batch else check_prompt(input_ids, max_new_tokens, self.model.vocab_size)
@@ -47,15 +51,18 @@ class TargetOnly:
         with offload as session:
             if session is not None:
                 session.reset()
+                copied_bytes = copied_bytes or session.streams.copied_bytes
             if batch:
-                return self._generate_batch(prompts, max_new_tokens, session)
-            return self._generate_one(input_ids, max_new_tokens, session)
+                return self._generate_batch(prompts, max_new_tokens, session, copied_bytes)
+            return self._generate_one(input_ids, max_new_tokens, session, copied_bytes)
 
-    def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int, session) -> GenerationResult:
+    def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int, session,
+                      copied_bytes: Callable[[], int] | None) -> GenerationResult:
         """One token per step in one forward [1, 1] (at a longrope switch: the whole sequence)."""
         metrics = DecodeMetrics(self.model.device)
         state = StateManager(self.model, input_ids)
         next_token = state.prefill().argmax(dim=-1, keepdim=True)  # [1], stays on the device
+        prefill_bytes = copied_bytes() if copied_bytes else 0
         while True:
             state.commit(next_token.tolist(), kv_keep=len(state.tokens))  # the tokens committed before this one have KV
             metrics.commit(1)
@@ -65,16 +72,20 @@ class TargetOnly:
             logits = self.model.forward(state.uncached(), state.cache, "target")[0, -1]
             next_token = logits.argmax(dim=-1, keepdim=True)
         stats = metrics.summary()
+        if copied_bytes:
+            stats["prefill_h2d_bytes"] = prefill_bytes
         if session is not None:
             stats.update(session.stats())
-        return GenerationResult(state.generated, h2d_per_token(stats, stats["generated_tokens"]))
+        return GenerationResult(state.generated, h2d_split(stats, prefill_bytes, stats["generated_tokens"] - 1))
 
-    def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int, session) -> list[GenerationResult]:
+    def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int, session,
+                        copied_bytes: Callable[[], int] | None) -> list[GenerationResult]:
         """All requests one token per step in one forward [B, 1]; each expert loaded once per step for all."""
         refuse_rope_switch(self.model, prompts, max_new_tokens)
         state = BatchState(self.model, prompts)
         metrics = [DecodeMetrics(self.model.device) for _ in prompts]
         state.commit_first(state.prefill().argmax(dim=-1).tolist())
+        prefill_bytes = copied_bytes() if copied_bytes else 0
         active = active_requests(state, max_new_tokens, None)
         for m in metrics:
             m.commit(1)
@@ -87,4 +98,6 @@ class TargetOnly:
                     m.commit(1)
             active = active_requests(state, max_new_tokens, None)
         shared = session.stats() if session is not None else {}
+        if copied_bytes:
+            shared["prefill_h2d_bytes"] = prefill_bytes
         return batch_results(generated_tokens(state), metrics, max_new_tokens, None, shared)

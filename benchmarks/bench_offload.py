@@ -15,10 +15,10 @@ one warm-up, the first paper and default Specter systems decode every prompt onc
 decode runs with the cyclic GC paused.
 
 Each row is printed and appended to DIR/offload.csv as it is measured (with the commit, host and workload),
-then a table per model. A row has TPOT, acceptance, hit rate, H2D MB per token and GB/s, waits, the I/O
-floor (the bytes of routed experts that were not resident when their verify window started, at the run's
-measured H2D bandwidth, per committed token), decoding's bytes over the floor, copy-stream idle time per
-phase, the mechanisms that ran, and whether the tokens equal the resident target's; Specter's row has its
+then a table per model. A row has TPOT, acceptance, hit rate, decoding's H2D MB per committed token and the
+copies' GB/s, waits, the I/O floor (those bytes at the one pinned H2D bandwidth measured at the start, the
+harness's definition: specter.metrics), decoding's bytes over the window misses' (routed experts not
+resident when their verify window started), copy-stream idle time per phase, the mechanisms that ran, and whether the tokens equal the resident target's; Specter's row has its
 TPOT over the paper design's (`tpot_over_paper`), a variant's its TPOT over Specter's (`tpot_over_specter`).
 `--repeats N` decodes every prompt N times per system (TPOT min and max over all of them); with
 `--interleave` the systems take turns, each decoding every prompt once per round, N rounds (a slow spell of
@@ -47,7 +47,8 @@ from baselines.target_only import TargetOnly  # noqa: E402
 from benchmarks.row_log import RowLog  # noqa: E402
 from experiments.machine import load_note, machine_state  # noqa: E402
 from specter.config import PAPER_DESIGN  # noqa: E402
-from specter.metrics import gc_paused  # noqa: E402
+from specter.metrics import gc_paused, io_floor_ms  # noqa: E402
+from specter.offload.pinned import pinned_h2d_gbps  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -120,15 +121,13 @@ def mechanisms_text(mechanisms) -> str | None:
     return "; ".join(f"{name}={state}" for name, state in mechanisms.items())
 
 
-def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
+def summarize(name: str, runs: list[dict], reference: list[list[int]], h2d_gbps: float | None = None) -> dict:
+    """One system's row over its decodes `runs`; `h2d_gbps`: the run's one bandwidth, for the I/O floor."""
     mean = lambda key: sum(r.get(key, float("nan")) for r in runs) / len(runs)  # noqa: E731
     per = lambda key, by: mean(key) / mean(by) if mean(by) else float("nan")  # target-only has no windows
     per_token = lambda key: mean(key) / mean("generated_tokens")  # noqa: E731
-    tokens = sum(r["generated_tokens"] for r in runs)
-    floor = None
-    if "io_floor_bytes" in runs[0]:
-        bytes_per_ms = sum(r["h2d_bytes"] for r in runs) / sum(r["h2d_busy_ms"] for r in runs)
-        floor = sum(r["io_floor_bytes"] for r in runs) / bytes_per_ms / tokens
+    decode_bytes = (sum(r["decode_h2d_bytes"] for r in runs) / sum(r["generated_tokens"] - 1 for r in runs)
+                    if "decode_h2d_bytes" in runs[0] else float("nan"))  # per token after the first, as TPOT
     return {
         "system": name, "tpot_ms": mean("tpot_ms"), "ttft_ms": mean("ttft_ms"),
         "tpot_min_ms": min(r["tpot_ms"] for r in runs), "tpot_max_ms": max(r["tpot_ms"] for r in runs),
@@ -136,10 +135,11 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "hit_rate": mean("hit_rate"),
         "planned_miss_share": mean("misses_planned") / mean("misses") if runs[0].get("misses") else float("nan"),
         "wasted_loads": mean("wasted_loads"), "loads_ahead": mean("loads_ahead"),
-        "h2d_mb_per_token": mean("h2d_bytes_per_token") / 1e6,
-        "decode_h2d_mb_per_token": per_token("decode_h2d_bytes") / 1e6,
-        "bytes_over_floor": (sum(r["decode_h2d_bytes"] for r in runs) / sum(r["io_floor_bytes"] for r in runs)
-                             if "io_floor_bytes" in runs[0] else None),
+        "decode_h2d_mb_per_token": decode_bytes / 1e6,
+        "prefill_h2d_mb": mean("prefill_h2d_bytes") / 1e6,
+        "bytes_over_window_misses": (sum(r["decode_h2d_bytes"] for r in runs)
+                                     / sum(r["window_miss_bytes"] for r in runs)
+                                     if runs[0].get("window_miss_bytes") else None),
         "h2d_gbps": mean("h2d_gbps"),
         "residual_decode_ms_per_token": per_token("residual_decode_ms"),
         "residual_group_host_ms_per_token": per_token("residual_group_host_ms"),
@@ -161,7 +161,7 @@ def summarize(name: str, runs: list[dict], reference: list[list[int]]) -> dict:
         "windows_drafted_ahead": per("draft_ahead_windows", "iterations"),
         "first_windows_from_prompt": mean("draft_ahead_prompt_windows"),
         "prefetch_precision": mean("prefetch_precision"), "prefetch_recall": mean("prefetch_recall"),
-        "io_floor_ms_per_token": floor,
+        "io_floor_ms": io_floor_ms(decode_bytes, h2d_gbps),
         **{f"copy_idle_{phase}_ms_per_token": per_token(f"copy_idle_{phase}_ms")
            for phase in ("draft", "verify", "between")},
         **{f"copy_gap_{cause}_ms_per_token": per_token(f"copy_gap_{cause}_ms") for cause in ("slot", "host")},
@@ -225,6 +225,7 @@ class BenchOptions:
     dtype: torch.dtype | None = None
     repeats: int = 1
     interleave: bool = False
+    h2d_gbps: float | None = None  # the run's one pinned H2D bandwidth (every row's I/O floor)
 
 
 def bench_model(name: str, options: BenchOptions, log: RowLog | None = None) -> list[dict]:
@@ -236,7 +237,7 @@ def bench_model(name: str, options: BenchOptions, log: RowLog | None = None) -> 
     dtype = str(model.dtype).removeprefix("torch.")
     print(f"\n== {name} ({options.weights} weights, {dtype}): built in {time.time() - t0:.0f} s; K={ks[0]}, {slots} "
           f"resident experts/layer ({options.mem}), {options.num_prompts} prompts x {options.new_tokens} "
-          f"tokens{load_note(machine_state('cuda'))}", flush=True)
+          f"tokens{load_note({**machine_state('cuda'), 'h2d_gbps': options.h2d_gbps})}", flush=True)
     tags = {"model": name, "weights": options.weights, "mem": options.mem, "slots": slots}
     workload = (f"{name} {options.weights} {dtype} mem={options.mem} slots={slots} prompts={options.num_prompts}x"
                 f"{options.new_tokens} repeats={options.repeats}{' interleaved' if options.interleave else ''}")
@@ -288,7 +289,7 @@ def measure(systems: list, compare: dict, prompts, reference: list, options: Ben
     for label, system in systems:
         t1 = time.time()
         runs = timed[label] if timed else run(system, prompts, options.new_tokens, options.repeats)
-        row = summarize(label, runs, reference)
+        row = summarize(label, runs, reference, options.h2d_gbps)
         row["k"] = system.config.k if hasattr(system, "config") else None
         base_label, column = compare.get(label, (None, None))
         base = rows.get(base_label)
@@ -305,11 +306,11 @@ def measure(systems: list, compare: dict, prompts, reference: list, options: Ben
 def row_line(row: dict) -> str:
     """TPOT, and for Specter the I/O floor ratio and where the copy stream idled, on one line."""
     line = f"TPOT {row['tpot_ms']:.2f} ms ({row['tpot_min_ms']:.2f}-{row['tpot_max_ms']:.2f})"
-    if row.get("io_floor_ms_per_token"):
+    if row.get("io_floor_ms") == row.get("io_floor_ms") and row.get("bytes_over_window_misses"):  # floor not NaN
         idle = ", ".join(f"{p} {row[f'copy_idle_{p}_ms_per_token']:.2f}" for p in ("draft", "verify", "between"))
-        line += (f", TPOT / I/O floor {row['tpot_ms'] / row['io_floor_ms_per_token']:.2f}, decoding's "
-                 f"H2D {row['decode_h2d_mb_per_token']:.0f} MB/token ({row['bytes_over_floor']:.2f}x the floor's "
-                 f"bytes), copy idle ms/token: {idle}")
+        line += (f", TPOT / I/O floor {row['tpot_ms'] / row['io_floor_ms']:.2f}, decoding's "
+                 f"H2D {row['decode_h2d_mb_per_token']:.0f} MB/token ({row['bytes_over_window_misses']:.2f}x the "
+                 f"window misses' bytes), copy idle ms/token: {idle}")
         if row.get("copy_gap_slot_ms_per_token") == row.get("copy_gap_slot_ms_per_token"):  # not NaN (GPU)
             line += (f"; waiting for a slot's reader {row['copy_gap_slot_ms_per_token']:.2f}, "
                      f"for the host {row['copy_gap_host_ms_per_token']:.2f}")
@@ -327,9 +328,9 @@ def row_line(row: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["system", "k", "tpot_ms", "acceptance", "hit_rate", "planned_miss_share", "h2d_mb_per_token",
+    cols = ["system", "k", "tpot_ms", "acceptance", "hit_rate", "planned_miss_share", "decode_h2d_mb_per_token",
             "h2d_gbps", "residual_decode_ms_per_token", "wait_ms_per_token", "moe_host_ms_per_token",
-            "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms_per_token",
+            "draft_step_ms", "verify_ms_per_token", "prefetch_precision", "io_floor_ms",
             "tpot_over_paper", "tpot_over_specter", "tokens_match_resident"]
     print(" | ".join(f"{c:>22}" if i == 0 else f"{c[:12]:>12}" for i, c in enumerate(cols)))
     for r in rows:
@@ -346,8 +347,8 @@ def print_table(rows: list[dict]) -> None:
         if spec.get("tpot_over_specter"):
             versus += f"{spec['tpot_over_specter']:.3f}x Specter's TPOT; "
         idle = ", ".join(f"{p} {spec[f'copy_idle_{p}_ms_per_token']:.2f}" for p in ("draft", "verify", "between"))
-        floor = spec["io_floor_ms_per_token"]
-        ratio = f"{spec['tpot_ms'] / floor:.2f}" if floor else "-"
+        floor = spec["io_floor_ms"]
+        ratio = f"{spec['tpot_ms'] / floor:.2f}" if floor == floor else "-"
         print(f"{spec['system']}: {versus}TPOT / I/O floor: {ratio}; copy stream idle ms/token: {idle}")
 
 
@@ -386,7 +387,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: bench_offload.py needs a CUDA GPU")
     options = BenchOptions(args.mem, args.prompts, args.new_tokens, args.k, tuple(args.variants), args.quick,
                            args.out if args.host_profile else None, args.weights,
-                           args.dtype and getattr(torch, args.dtype), args.repeats, args.interleave)
+                           args.dtype and getattr(torch, args.dtype), args.repeats, args.interleave,
+                           pinned_h2d_gbps("cuda"))
+    print(f"pinned H2D bandwidth, measured once for every row's I/O floor: {options.h2d_gbps} GB/s", flush=True)
     log = RowLog(args.out / "offload.csv")
     for name in args.models:
         print_table(bench_model(name, options, log))

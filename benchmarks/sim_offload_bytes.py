@@ -1,4 +1,4 @@
-"""Bytes over the I/O floor of Specter's expert-cache policies, on CPU (no timing: copies are counted).
+"""PCIe bytes per committed token of Specter's expert-cache policies and MO-SM's, on CPU (no timing: copies counted).
 
     python benchmarks/sim_offload_bytes.py --moe-layers 4 --k 8 --slots 16 --new-tokens 64 \
         --variants paper eviction=popularity
@@ -11,11 +11,17 @@ and with each `--variants` entry (SpecterConfig options over the defaults, `pape
 variant may set k). The planner's cost model is
 frozen at the H200's draft step time per MoE layer (scaled to the layers built) and its copy bandwidth
 (the constants below), so its batch sizes and boundaries are the GPU's.
-Per configuration it prints the PCIe megabytes per decoded token, expert loads per decoded token against
-the floor (experts the target routed to that were not resident when their window started; with residual
-transfer a load is a blob), their ratio, wasted loads, prefetches, loads ahead, reloads by cause, the hit
-rate and the mean accepted length; `--mo-sm` first prints MO-SM's bytes at the same memory. TPOT is not
-simulated: the copy stream's idle time needs the GPU (benchmarks/bench_offload.py). Reference results:
+Per configuration it prints decoding's PCIe megabytes per committed token (specter.metrics.h2d_split's
+definition), expert loads per token against the window misses (experts the target routed to that were not
+resident when their window started; with residual transfer a load is a blob), their ratio, wasted loads, prefetches, loads ahead, reloads by cause, the hit
+rate and the mean accepted length; `--mo-sm` first prints MO-SM's bytes at the same memory.
+`--residual-slots` adds the residual what-if: every expert is encoded against its INT4 draft (the blobs'
+mean size is exact), then Specter's loads with 16-bit slots are priced at a blob each (residual transfer,
+the default on a GPU: the same loads, fewer bytes), and residual-coded slots (the same memory holding
+slots * expert_bytes // blob_bytes experts as blobs, each rebuilt before its GEMM) are simulated as that
+many slots whose loads move a blob; the CPU does not decode (a reference decode takes about a second per
+expert), so cache behaviour is the 16-bit loads' and only the load size changes. `--out DIR` writes every
+row to DIR/sim_offload_bytes.csv as it is measured (commit, host, workload). TPOT is not simulated: the copy stream's idle time needs the GPU (benchmarks/bench_offload.py). Reference results:
 results/reference/NOTES.md.
 """
 from __future__ import annotations
@@ -33,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import specter  # noqa: E402
 from baselines.mixtral_offloading import MixtralOffloading, same_memory_slots  # noqa: E402
 from benchmarks.bench_offload import PROMPTS, parse_variant  # noqa: E402
+from benchmarks.row_log import RowLog  # noqa: E402
 from specter.models.calibrated import moe_layer_count  # noqa: E402
 from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config  # noqa: E402
@@ -40,6 +47,7 @@ from specter.models.registry import get_spec  # noqa: E402
 from specter.models.tokenizer import ByteTokenizer  # noqa: E402
 from specter.offload.budget import plan_memory  # noqa: E402
 from specter.offload.expert_cache import CAUSES  # noqa: E402
+from specter.offload.residual_store import ResidualExpertStore  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 from specter.prefetch.planner import CostModel  # noqa: E402
 
@@ -71,13 +79,13 @@ def measure(model, config: specter.SpecterConfig, prompts: list[torch.Tensor], n
                                         frozen=True)
     runs = [engine.generate(ids, new_tokens).stats for ids in prompts]
     total = lambda key: sum(r[key] for r in runs)  # noqa: E731
-    expert, tokens = runs[0]["expert_load_bytes"], total("generated_tokens")  # bytes of one load
+    expert, tokens = runs[0]["expert_load_bytes"], decode_tokens(runs)  # bytes of one load
     per_token = lambda key: total(key) / tokens  # noqa: E731
     return {
-        "pcie_mb_per_token": total("h2d_bytes") / tokens / 1e6,
+        "pcie_mb_per_token": total("decode_h2d_bytes") / tokens / 1e6,
         "decode_loads_per_token": total("decode_h2d_bytes") / expert / tokens,
-        "floor_loads_per_token": total("io_floor_bytes") / expert / tokens,
-        "bytes_over_floor": total("decode_h2d_bytes") / total("io_floor_bytes"),
+        "window_miss_loads_per_token": total("window_miss_bytes") / expert / tokens,
+        "bytes_over_window_misses": total("decode_h2d_bytes") / total("window_miss_bytes"),
         "wasted_per_token": per_token("wasted_loads"), "prefetch_per_token": per_token("prefetch_loads"),
         "ahead_per_token": per_token("loads_ahead"),
         **{f"reload_{cause}_per_token": per_token(f"reloads_after_{cause}") for cause in CAUSES},
@@ -91,8 +99,27 @@ def measure_mo_sm(model, slots: int, prompts: list[torch.Tensor], new_tokens: in
     plan = plan_memory(model.spec, model.hf.config, model.dtype)
     system = MixtralOffloading(model, same_memory_slots(slots, plan))
     runs = [system.generate(ids, new_tokens).stats for ids in prompts]
-    tokens = sum(r["generated_tokens"] for r in runs)
-    return {"pcie_mb_per_token": sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, "slots": system.slots}
+    return {"pcie_mb_per_token": sum(r["decode_h2d_bytes"] for r in runs) / decode_tokens(runs) / 1e6,
+            "slots": system.slots}
+
+
+def residual_rows(model, config: specter.SpecterConfig, prompts: list[torch.Tensor], new_tokens: int) -> list[dict]:
+    """The residual what-if at `config`'s memory: 16-bit loads, the same loads as blobs, residual-coded slots."""
+    blob = ResidualExpertStore.build(model.host_store, model.experts).mean_blob_bytes
+    slots, raw = config.resident_experts_per_layer, model.host_store.expert_bytes
+    sixteen = measure(model, dataclasses.replace(config, residual_transfer=False), prompts, new_tokens)
+    coded_slots = min(model.num_experts, int(slots * raw // blob))
+    coded = measure(model, dataclasses.replace(config, residual_transfer=False, resident_experts_per_layer=coded_slots),
+                    prompts, new_tokens)
+    priced = lambda row: {**row, "pcie_mb_per_token": row["decode_loads_per_token"] * blob / 1e6}  # noqa: E731
+    return [{"system": "specter, 16-bit loads", "slots": slots, "blob_over_raw": blob / raw, **sixteen},
+            {"system": "specter, residual loads", "slots": slots, "blob_over_raw": blob / raw, **priced(sixteen)},
+            {"system": "residual-coded slots", "slots": coded_slots, "blob_over_raw": blob / raw, **priced(coded)}]
+
+
+def decode_tokens(runs: list[dict]) -> int:
+    """The tokens committed after each request's first (the denominator of decoding's bytes per token)."""
+    return sum(r["generated_tokens"] - 1 for r in runs)
 
 
 def main() -> None:
@@ -110,6 +137,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=[],
                         help="SpecterConfig options over the defaults, e.g. pooled_slots=0 or paper,prefetch=false")
     parser.add_argument("--mo-sm", action="store_true", help="also MO-SM's PCIe bytes per token (same memory)")
+    parser.add_argument("--residual-slots", action="store_true",
+                        help="also the residual what-if: residual loads, and residual-coded slots at the same memory")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows to OUT/sim_offload_bytes.csv")
     args = parser.parse_args()
     depth = moe_layer_count(hf_config(get_spec(args.model)))
     if not 1 <= args.moe_layers <= depth:
@@ -123,20 +153,29 @@ def main() -> None:
     print(f"built in {time.time() - t0:.0f} s; {args.model} ({args.weights}), {args.moe_layers} MoE layers, K={args.k}, {args.slots} slots, "
           f"{args.prompts} prompts x {args.new_tokens} tokens", flush=True)
     offload_experts(model, args.slots)
+    log = RowLog(args.out / "sim_offload_bytes.csv") if args.out else None
+    workload = (f"{args.model} {args.weights} {dtype} moe_layers={args.moe_layers} K={args.k} slots={args.slots} "
+                f"prompts={args.prompts}x{args.new_tokens}")
+    emit = lambda row: print_row(log.add(row, workload) if log else row)  # noqa: E731
     if args.mo_sm:
-        row = measure_mo_sm(model, args.slots, prompts, args.new_tokens)
-        print(f"{'mo_sm':>24} | {row['slots']} slots, PCIe {row['pcie_mb_per_token']:.1f} MB per decoded token")
-    cols = None
+        emit({"system": "mo_sm", **measure_mo_sm(model, args.slots, prompts, args.new_tokens)})
+    config = specter.SpecterConfig(k=args.k, resident_experts_per_layer=args.slots, cuda_graph=False)
+    if args.residual_slots:
+        for row in residual_rows(model, config, prompts, args.new_tokens):
+            emit(row)
     for label, options in [("specter", {})] + [(v, parse_variant(v)) for v in args.variants]:
         t1 = time.time()
-        config = specter.SpecterConfig(**{"k": args.k, "resident_experts_per_layer": args.slots,
-                                          "cuda_graph": False, **options})  # a variant may set k
-        row = measure(model, config, prompts, args.new_tokens)
-        if cols is None:
-            cols = list(row)
-            print(f"{'system':>24} | " + " | ".join(f"{c.replace('_per_token', '')[:9]:>9}" for c in cols))
-        print(f"{label:>24} | " + " | ".join(f"{row[c]:9.3f}" for c in cols) + f"   ({time.time() - t1:.0f} s)",
-              flush=True)
+        row = measure(model, dataclasses.replace(config, **options), prompts, args.new_tokens)  # a variant may set k
+        emit({"system": label, "slots": args.slots, **row, "seconds": round(time.time() - t1)})
+    if log:
+        print(f"rows in {log.path}")
+
+
+def print_row(row: dict) -> None:
+    """One row as `key value | ...` (numbers to 3 decimals), provenance left out."""
+    cells = [f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+             if k not in ("commit", "host", "workload")]
+    print(" | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -83,13 +83,16 @@ def run_batch_case(systems: list, key: dict, requests: list[torch.Tensor], max_n
         batch = system.generate(requests, min(max_new_tokens, int(caps.get(system.name) or max_new_tokens)))
         is_reference = system.name == "target_only"
         reference = batch if is_reference else reference
-        writer.add(batch_row({**key, "system": system.name}, batch, None if is_reference else reference))
+        writer.add(batch_row({**key, "system": system.name}, batch, None if is_reference else reference,
+                             writer.h2d_gbps))
 
 
-def batch_row(key: dict, batch: list[GenerationResult], reference: list[GenerationResult] | None) -> dict:
-    """One row per batch: mean TPOT over requests, throughput, mean acceptance, working set, H2D."""
+def batch_row(key: dict, batch: list[GenerationResult], reference: list[GenerationResult] | None,
+              h2d_gbps: float | None = None) -> dict:
+    """One row per batch: mean TPOT over requests, throughput, mean acceptance, working set, H2D (decoding's
+    bytes over every request's tokens after its first, the batch's shared stats) and its I/O floor."""
     stats = batch[0].stats
-    row = record(key, GenerationResult([], stats), None)
+    row = record(key, GenerationResult([], stats), None, h2d_gbps)
     mean = lambda values: sum(values) / len(values) if values else math.nan  # noqa: E731
     row.update(tpot_ms=stats["mean_tpot_ms"], throughput_tok_s=stats["throughput_tok_s"],
                generated_tokens=sum(r.stats["generated_tokens"] for r in batch),

@@ -9,8 +9,10 @@ dataset, prompt) cases that both runs measured count, so a partial run is compar
 says how many rows that left out; --all-cases compares every case of each side). A warning names any
 setup the two differ in (model, weights, memory, dtype, lengths from run.json; the K values run), and
 another warns when the hosts' time per small torch op (run.json's machine.host_op_us) differs by more than
-the tolerance: eagerly run systems (the baselines) follow the host's speed. Exit status: 0 when every pair
-both runs measured is within the tolerance, 1 when one is not, 2 on bad input.
+the tolerance: eagerly run systems (the baselines) follow the host's speed. Ratios between systems are only
+taken within a run (experiments.records.same_run_ratios: the cases both ran in one process): each run's
+"x Specter" is printed side by side with their range, never one ratio pooled over the two runs. Exit status:
+0 when every pair both runs measured is within the tolerance, 1 when one is not, 2 on bad input.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.records import read_records
+from experiments.records import read_records, same_run_ratios
 
 TOLERANCE = 0.10  # a re-run on another H200 is expected within 10% of the published medians
 
@@ -57,6 +59,21 @@ def compare(reference: pd.Series, rerun: pd.Series, tolerance: float = TOLERANCE
     table["ratio"] = table.rerun / table.reference
     table["within"] = (table.ratio - 1).abs() <= tolerance
     return table.rename_axis(["system", "dataset"]).reset_index()
+
+
+def ratios_by_run(runs: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per system: each run's median TPOT over Specter's within that run (name -> records), and their range."""
+    columns = {}
+    for name, frame in runs.items():
+        ok = frame[frame.status == "ok"]
+        if "specter" in set(ok.system):
+            columns[name] = same_run_ratios(ok.assign(tpot_ms=pd.to_numeric(ok.tpot_ms, errors="coerce")), ["system"])
+    table = pd.DataFrame(columns)
+    if table.empty:
+        return table
+    table["range"] = [f"{row.min():.2f}-{row.max():.2f}x" if row.notna().any() else "-"
+                      for _, row in table.iterrows()]
+    return table.rename_axis("system").reset_index()
 
 
 SETUP = ("model.name", "model.weights", "mem.name", "dtype", "max_new_tokens", "prefix_tokens")  # what must agree
@@ -136,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     if host:
         print(host, file=sys.stderr)
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    ratios = ratios_by_run({"reference": reference, "rerun": rerun})
+    if not ratios.empty:
+        print("x Specter within each run (TPOT / Specter's on the cases both ran in one process; not pooled):")
+        print(ratios.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     outside = table[~table.within]
     print(f"{len(table) - len(outside)} of {len(table)} medians within {args.tolerance:.0%} of the reference"
           + ("" if outside.empty else "; outside: " + ", ".join(f"{r.system}/{r.dataset} ({r.ratio:.2f}x)"

@@ -168,7 +168,9 @@ def figure14_main(root: Path, out: Path) -> Drawn | str:
         table = main_panel(data[data.run == run])
         table.rename(columns=system_labels(root / "main" / run)).plot.bar(ax=ax, rot=0, legend=False, logy=True)
         if "specter" in table:
-            ratios = table.div(table["specter"], axis=0)  # [datasets, systems]: TPOT / Specter's, same run
+            ratios = main_panel(data[data.run == run], "tpot_over_specter") if "tpot_over_specter" in data \
+                else table.div(table["specter"], axis=0)  # [datasets, systems]: TPOT / Specter's, same run
+            ratios = ratios.reindex(index=table.index, columns=table.columns)
             for container, system in zip(ax.containers, table.columns):
                 ax.bar_label(container, labels=[f"{r:.2f}x" for r in ratios[system]], fontsize=5, rotation=90)
         ax.set(ylabel="TPOT (ms, log scale)", title=run)
@@ -193,9 +195,10 @@ def system_labels(run_dir: Path) -> dict[str, str]:
     return SYSTEM_LABELS if "pooled_slots" in options else {"specter": "Specter (paper's design)"}
 
 
-def main_panel(rows: pd.DataFrame) -> pd.DataFrame:
-    """One run's median TPOT [datasets, systems], without the AVG row when it averages a single dataset."""
-    table = rows.pivot_table(index="dataset", columns="system", values="tpot_ms", sort=False)
+def main_panel(rows: pd.DataFrame, values: str = "tpot_ms") -> pd.DataFrame:
+    """One run's median TPOT (or another summary column) [datasets, systems], without the AVG row when it
+    averages a single dataset."""
+    table = rows.pivot_table(index="dataset", columns="system", values=values, sort=False)
     if (table.index != "AVG").sum() < 2:
         table = table.drop(index="AVG", errors="ignore")
     return table

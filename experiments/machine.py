@@ -1,4 +1,4 @@
-"""What a run's timings ran under: host load, the host's time per small torch op, the GPU's clock."""
+"""What a run's timings ran under: host load, the host's time per small torch op, the GPU's clock and H2D rate."""
 from __future__ import annotations
 
 import os
@@ -8,15 +8,18 @@ import time
 import torch
 
 from specter.errors import first_line
+from specter.offload.pinned import pinned_h2d_gbps
 
 
 def machine_state(device: str | torch.device | None = None) -> dict:
     """Host load (1-minute average, cores), the host's time per small torch op on the run's `device` (None or
-    "auto": CUDA where there is one) and, on CUDA, the GPU's clocks: what the timings ran under."""
+    "auto": CUDA where there is one) and, on CUDA, the GPU's clocks and its pinned host-to-device copy rate
+    (`h2d_gbps`, GB/s; None without a GPU): what the timings ran under."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if device is None or str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    state = {"load_average_1min": load, "cpu_cores": os.cpu_count(), "host_op_us": host_op_us(torch.device(device))}
+    state = {"load_average_1min": load, "cpu_cores": os.cpu_count(), "host_op_us": host_op_us(torch.device(device)),
+             "h2d_gbps": pinned_h2d_gbps(device)}
     if torch.cuda.is_available():
         try:
             state["gpu_clock_mhz"] = torch.cuda.clock_rate()
@@ -55,5 +58,6 @@ def load_note(state: dict) -> str:
     load, op = state.get("load_average_1min"), state.get("host_op_us")
     note = "" if load is None else f", host load {load:.1f}/{state.get('cpu_cores')} cores"
     note += "" if op is None else f", {op} us per host op"
-    clock = state.get("gpu_clock_mhz")
-    return note + (f", GPU clock {clock} MHz" if isinstance(clock, (int, float)) else "")
+    clock, gbps = state.get("gpu_clock_mhz"), state.get("h2d_gbps")
+    note += f", GPU clock {clock} MHz" if isinstance(clock, (int, float)) else ""
+    return note + (f", H2D {gbps} GB/s pinned" if gbps else "")

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from experiments import records
 from experiments.experiments import EXPERIMENTS
 from experiments.machine import busy_warning, load_note, machine_state
-from experiments.run_dirs import results_dir
+from experiments.run_dirs import SWEEP_FUNCTIONS, SWEPT_KEYS_VARIABLE, results_dir, swept_keys
 from experiments.settings import check_run_settings, earlier_invocations, invocation, write_run_json
 from experiments.usage import usage
 from specter.errors import SpecterError
@@ -74,12 +74,16 @@ def hydra_escape(value: str) -> str:
 
 
 def check_group_choices(argv: list[str]) -> None:
-    """One-line error for `group=option` overrides naming an option file that does not exist."""
+    """One-line error for `group=option` overrides naming an option file that does not exist (each option of
+    a multirun's `group=a,b`; a sweep function such as choice(...) is left to Hydra)."""
     for arg in argv:
-        group, sep, option = arg.partition("=")
-        if sep and group in CHECKED_GROUPS and (CONF / group).is_dir() and not (CONF / group / f"{option}.yaml").is_file():
-            known = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
-            raise SpecterError(f"unknown {group} {option!r}; known: {known}")
+        group, sep, value = arg.partition("=")
+        if not sep or group not in CHECKED_GROUPS or not (CONF / group).is_dir() or SWEEP_FUNCTIONS.match(value):
+            continue
+        for option in value.split(",") if group in swept_keys([arg]) else [value]:
+            if not (CONF / group / f"{option}.yaml").is_file():
+                known = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
+                raise SpecterError(f"unknown {group} {option!r}; known: {known}")
 
 
 def system_overrides(argv: list[str]) -> list[str]:
@@ -121,21 +125,23 @@ def run(cfg: DictConfig) -> Path:
     if resumed and cfg.resume is True and run_complete(out_dir):
         return nothing_to_do(cfg, out_dir)
     machine = machine_state(cfg.device)  # measured once: the header, the warning and run.json show it
+    h2d_gbps = (run_bandwidth(out_dir) if resumed else None) or machine.get("h2d_gbps")  # one bandwidth per run
     opened: list[records.RecordWriter] = []
     calls: list[dict] = []  # run.json's invocations: the earlier ones (on resume) and this process
 
     def open_writer() -> records.RecordWriter:
         """Create the results directory only once the inputs are valid and the model is loaded."""
         out_dir.mkdir(parents=True, exist_ok=resumed)
-        writer = records.RecordWriter(out_dir, resume=resumed)
-        calls.extend([*(earlier_invocations(out_dir) if resumed else []), invocation(cfg, len(writer.rows), machine)])
-        write_run_json(out_dir, cfg, complete=False, invocations=calls, machine=machine)
+        calls.extend(earlier_invocations(out_dir) if resumed else [])
+        writer = records.RecordWriter(out_dir, resume=resumed, h2d_gbps=h2d_gbps, invocation=len(calls))
+        calls.append(invocation(cfg, len(writer.rows), machine))
+        write_run_json(out_dir, cfg, complete=False, invocations=calls, machine=machine, h2d_gbps=h2d_gbps)
         opened.append(writer)
         return writer
 
     header, by = EXPERIMENTS[cfg.experiment.name](cfg, out_dir, open_writer)
     summary = records.write_summary(out_dir, opened[0].rows, by)
-    write_run_json(out_dir, cfg, complete=True, invocations=calls, machine=machine)
+    write_run_json(out_dir, cfg, complete=True, invocations=calls, machine=machine, h2d_gbps=h2d_gbps)
     print(f"\n{header}{load_note(machine)}")
     print(records.format_table(summary))
     print(f"results: {out_dir}")
@@ -143,6 +149,14 @@ def run(cfg: DictConfig) -> Path:
     if busy:
         print(busy, file=sys.stderr)
     return out_dir
+
+
+def run_bandwidth(out_dir: Path) -> float | None:
+    """The H2D bandwidth an existing run's floors use (run.json's h2d_gbps; None where it has none)."""
+    try:
+        return json.loads((out_dir / "run.json").read_text()).get("h2d_gbps")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def run_complete(out_dir: Path) -> bool:
@@ -179,6 +193,7 @@ if __name__ == "__main__":
     try:
         sys.argv[1:] = checkpoint_overrides(token_cap_overrides(system_overrides(sys.argv[1:])))
         check_group_choices(sys.argv[1:])
+        os.environ[SWEPT_KEYS_VARIABLE] = ",".join(sorted(swept_keys(sys.argv[1:])))  # for a launcher's jobs
     except SpecterError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

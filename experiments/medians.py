@@ -3,9 +3,10 @@
     python -m experiments.medians results/reference/calibrated-h200/issue21-s26-dsv2-low-k32
 
 Over every measured case of a system (datasets x prompts x repeats): median TPOT with its min and max, the
-draft, verify and wait phases per committed token, PCIe GB per committed token, the I/O floor, the mean
-accepted length, how many cases gave the resident target's tokens, and the TPOT ratios to Specter and
-to MO-SM (how many times faster than MO-SM a system is). Exit status 2 on a missing or empty directory.
+draft, verify and wait phases per committed token, PCIe GB per committed token while decoding and the I/O
+floor at the run's one bandwidth (experiments.records' definitions), the mean accepted length, how many cases
+gave the resident target's tokens, and the TPOT ratios to Specter and to MO-SM on the cases both ran in the
+same process (how many times faster than MO-SM a system is). Exit status 2 on a missing or empty directory.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.records import read_records
+from experiments.records import read_records, same_run_ratios
 
 PER_TOKEN = ("draft_ms", "verify_ms", "wait_ms")  # per run, divided by its generated tokens
 
@@ -30,22 +31,27 @@ def system_medians(records: pd.DataFrame) -> pd.DataFrame:
         row = {"system": system, "cases": len(runs), "tpot_ms": tpot.median(),
                "tpot_min_ms": tpot.min(), "tpot_max_ms": tpot.max()}
         for key in PER_TOKEN:
-            row[f"{key.removesuffix('_ms')}_ms_per_token"] = (num[key] / num.generated_tokens).median()
-        row["gb_per_token"] = num.h2d_bytes_per_token.median() / 1e9
-        row["io_floor_ms_per_token"] = num.io_floor_ms_per_token.median()
-        row["mean_accepted_length"] = num.mean_accepted_length.median()
-        row["tokens_match_target"] = int(runs.tokens_match_target.astype(str).str.lower()
+            row[f"{key.removesuffix('_ms')}_ms_per_token"] = (column(num, key) / num.generated_tokens).median()
+        row["gb_per_token"] = column(num, "decode_h2d_bytes_per_token").median() / 1e9
+        row["io_floor_ms"] = column(num, "io_floor_ms").median()
+        row["mean_accepted_length"] = column(num, "mean_accepted_length").median()
+        row["tokens_match_target"] = int(column(runs, "tokens_match_target").astype(str).str.lower()
                                          .isin(("true", "1", "yes")).sum())
         rows.append(row)
     table = pd.DataFrame(rows)
     if table.empty:
         return table
-    by_system = table.set_index("system").tpot_ms
-    if "specter" in by_system:
-        table["x_specter"] = table.tpot_ms / by_system["specter"]
-    if "mo_sm" in by_system:
-        table["mo_sm_over_it"] = by_system["mo_sm"] / table.tpot_ms
+    numeric = ok.assign(tpot_ms=pd.to_numeric(ok.tpot_ms, errors="coerce"))
+    if "specter" in set(table.system):
+        table["x_specter"] = table.system.map(same_run_ratios(numeric, ["system"], "specter"))
+    if "mo_sm" in set(table.system):
+        table["mo_sm_over_it"] = 1 / table.system.map(same_run_ratios(numeric, ["system"], "mo_sm"))
     return table
+
+
+def column(frame: pd.DataFrame, name: str) -> pd.Series:
+    """`frame[name]`, or NaN where the records predate that column."""
+    return frame[name] if name in frame else pd.Series(float("nan"), index=frame.index)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,4 +117,4 @@ def _run_case(systems: list, key: dict, ids: torch.Tensor, case_tokens, writer: 
                 raise SpecterError(message + " (strict mode)")
             if key["prompt_id"] == 0 and key["repeat"] == 0:
                 print(f"warning: {message}", file=sys.stderr)
-        writer.add(record({**key, "system": name}, result, check))
+        writer.add(record({**key, "system": name}, result, check, writer.h2d_gbps))

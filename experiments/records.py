@@ -9,22 +9,27 @@ from pathlib import Path
 
 import pandas as pd
 
-from specter.metrics import GenerationResult
+from specter.metrics import GenerationResult, io_floor_ms
 
-FLOOR_STATS = ("io_floor_ms_per_token",)
+BYTES_STATS = ("decode_h2d_bytes_per_token", "prefill_h2d_bytes")  # the one definition: specter.metrics.h2d_split
 ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_length", "iterations",
              "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
-             "h2d_bytes_per_token", "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
-             "prefetch_precision", "prefetch_recall", "throughput_tok_s", *FLOOR_STATS)
+             *BYTES_STATS, "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
+             "prefetch_precision", "prefetch_recall", "throughput_tok_s", "io_floor_ms")
 KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size")
 FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target", "token_agreement",
-          "mechanisms")
+          "mechanisms", "invocation")
+SAME_CASE = ("dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size", "invocation")  # within one run
 
 
-def record(key: dict, result: GenerationResult, reference: list[int] | None) -> dict:
-    """One result row; `reference` is target-only's tokens for the same case (None when not run)."""
+def record(key: dict, result: GenerationResult, reference: list[int] | None, h2d_gbps: float | None = None) -> dict:
+    """One result row; `reference` is target-only's tokens for the same case (None when not run); `h2d_gbps`
+    is the run's one pinned host-to-device bandwidth (None without a GPU): the row's I/O floor, io_floor_ms,
+    is its decoding bytes per committed token at that rate (empty for a system that moves no experts)."""
     row = {**key, "status": "ok"}
     row.update({stat: result.stats.get(stat, float("nan")) for stat in ROW_STATS})
+    floor = io_floor_ms(row["decode_h2d_bytes_per_token"], h2d_gbps)
+    row["io_floor_ms"] = "" if floor != floor else floor  # empty without a GPU or without bytes
     row["accepted_length_histogram"] = json.dumps(result.stats.get("accepted_length_histogram", {}))
     row["mechanisms"] = mechanisms_ran(result.stats.get("mechanisms"))
     row["tokens_match_target"] = "" if reference is None else ("yes" if result.token_ids == reference else "no")
@@ -69,11 +74,15 @@ def read_records(path: Path, repair: bool = False) -> pd.DataFrame:
 class RecordWriter:
     """Appends rows to <dir>/records.csv as they are produced (a crash keeps what was measured).
 
-    With `resume`, rows already in the file are kept and `done(key)` tells which cases to skip.
+    With `resume`, rows already in the file are kept and `done(key)` tells which cases to skip. `h2d_gbps`:
+    the run's one host-to-device bandwidth, for every row's I/O floor; `invocation`: the index in run.json's
+    invocations of the process writing (rows of one invocation ran in one process on one host).
     """
 
-    def __init__(self, out_dir: Path, resume: bool = False) -> None:
+    def __init__(self, out_dir: Path, resume: bool = False, h2d_gbps: float | None = None,
+                 invocation: int = 0) -> None:
         self.path = out_dir / "records.csv"
+        self.h2d_gbps, self.invocation = h2d_gbps, invocation
         self.rows: list[dict] = []
         self.fields = FIELDS
         if resume and self.path.exists():
@@ -92,6 +101,7 @@ class RecordWriter:
         return self._key(key) in self._done
 
     def add(self, row: dict) -> None:
+        row = {**row, "invocation": self.invocation}
         self.rows.append(row)
         if row.get("status") == "ok":
             self._done.add(self._key(row))
@@ -117,7 +127,9 @@ SUMMARY_KEYS = {  # experiment -> the columns its summary groups by
 
 def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")) -> pd.DataFrame:
     """Per group: the median of each per-decode metric (TPOT also as min, max and a labelled mean), an AVG row
-    per system (the mean of its datasets' medians), and each system's median TPOT over Specter's."""
+    per system (the mean of its datasets' medians), each system's median TPOT over Specter's on the cases both
+    ran in one process (`tpot_over_specter`), over its own I/O floor (`tpot_over_io_floor`) and, for the
+    Specter systems, over the lowest floor among the other systems of the group (`tpot_over_peer_floor`)."""
     if records.empty:
         return records
     missing = records[records.status != "ok"][[c for c in ("system", "dataset", "status") if c in records]]
@@ -130,22 +142,26 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
                                           errors="coerce")
     metrics = {"tpot_median_ms": "median", "tpot_mean_ms": "mean", "tpot_min_ms": "min", "tpot_max_ms": "max",
                "ttft_ms": "median", "acceptance_rate": "median", "mean_accepted_length": "median",
-               "hit_rate": "median", "h2d_bytes_per_token": "median", "prompt_id": "nunique"}
-    for optional in ("throughput_tok_s", "working_set_mean", "token_agreement", *FLOOR_STATS):  # where measured
+               "hit_rate": "median", "decode_h2d_bytes_per_token": "median", "prompt_id": "nunique"}
+    for optional in ("throughput_tok_s", "working_set_mean", "token_agreement", "prefill_h2d_bytes", "io_floor_ms"):
         if ok[optional].notna().any():
             metrics[optional] = "median"
     ok = ok.assign(tpot_median_ms=ok.tpot_ms, tpot_mean_ms=ok.tpot_ms, tpot_min_ms=ok.tpot_ms, tpot_max_ms=ok.tpot_ms)
     summary = ok.groupby(list(by), sort=False).agg(metrics).reset_index().rename(columns={"prompt_id": "prompts"})
-    summary["h2d_mb_per_token"] = summary.pop("h2d_bytes_per_token") / 1e6
-    if "io_floor_ms_per_token" in summary:
-        summary["tpot_over_io_floor"] = summary.tpot_median_ms / summary.io_floor_ms_per_token
+    summary["decode_mb_per_token"] = summary.pop("decode_h2d_bytes_per_token") / 1e6
+    if "io_floor_ms" in summary:
+        summary["tpot_over_io_floor"] = summary.tpot_median_ms / summary.io_floor_ms
     summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]
-    if "dataset" in by:
+    summary["tpot_over_specter"] = summary.set_index(list(by)).index.map(same_run_ratios(ok, list(by))).values
+    if "dataset" in by:  # AVG's ratio: the mean of its datasets' same-run ratios
         avg = summary.groupby([c for c in by if c != "dataset"], sort=False).mean(numeric_only=True).reset_index()
         avg["dataset"] = "AVG"
         avg["tokens_identical"] = ""
         summary = pd.concat([summary, avg], ignore_index=True)
-    summary = _with_speedup(summary, [c for c in by if c != "system"])
+    if summary.tpot_over_specter.isna().all():
+        summary = summary.drop(columns="tpot_over_specter")
+    if "io_floor_ms" in summary:
+        summary = _with_peer_floor(summary, [c for c in by if c != "system"])
     summary = pd.concat([summary, missing.drop_duplicates()], ignore_index=True) if len(missing) else summary
     for count in ("batch_size", "prompts"):  # whole numbers, also on AVG rows
         if count in summary:
@@ -162,14 +178,32 @@ def _identical(ok: pd.DataFrame, row, by) -> str:
     return "" if checks.empty else ("yes" if (checks == "yes").all() else "no")
 
 
-def _with_speedup(summary: pd.DataFrame, group: list[str]) -> pd.DataFrame:
-    """tpot_over_specter = this system's median TPOT / Specter's in the same group (dataset, k, ...): above 1,
-    Specter is that many times faster; below 1, slower."""
-    specter = summary[summary.system == "specter"].set_index(group)["tpot_median_ms"] if group else None
-    if specter is None or specter.empty:
+def same_run_ratios(ok: pd.DataFrame, by: list[str], reference: str = "specter") -> pd.Series:
+    """Per group of `by`: the median TPOT of a system over `reference`'s, both over the cases they ran in the
+    same process (same dataset, prompt, repeat and invocation: a resumed run's rows from another host are
+    never paired); NaN where no case pairs. Above 1, `reference` is that many times faster."""
+    keys = [c for c in SAME_CASE if c in ok]
+    ok = ok.assign(case=ok[keys].apply(lambda col: col.map(str)).agg("|".join, axis=1) if keys else "")
+    base = ok[ok.system == reference].groupby("case").tpot_ms.median()  # the reference's TPOT per case
+    if base.empty:
+        return pd.Series(dtype=float)
+    paired = ok[ok.case.isin(base.index)].assign(reference_tpot=lambda f: f.case.map(base))
+    medians = paired.groupby(by, sort=False)[["tpot_ms", "reference_tpot"]].median()
+    return medians.tpot_ms / medians.reference_tpot
+
+
+def _with_peer_floor(summary: pd.DataFrame, group: list[str]) -> pd.DataFrame:
+    """For each Specter system: TPOT over the lowest I/O floor among the group's other systems
+    (`tpot_over_peer_floor`, and which system's it is: `lowest_peer_floor`)."""
+    peers = summary[~summary.system.astype(str).str.startswith("specter") & summary.io_floor_ms.notna()]
+    if peers.empty:
         return summary
+    lowest = peers.loc[peers.groupby(group, sort=False).io_floor_ms.idxmin()].set_index(group)
     keys = summary[group].apply(tuple, axis=1) if len(group) > 1 else summary[group[0]]
-    summary["tpot_over_specter"] = summary.tpot_median_ms.values / keys.map(specter).values
+    floor, name = keys.map(lowest.io_floor_ms), keys.map(lowest.system)
+    mine = summary.system.astype(str).str.startswith("specter")
+    summary["tpot_over_peer_floor"] = (summary.tpot_median_ms / floor).where(mine)
+    summary["lowest_peer_floor"] = name.where(mine)
     return summary
 
 
@@ -181,7 +215,7 @@ def write_summary(out_dir: Path, rows: list[dict], by: tuple[str, ...] = ("syste
 
 TABLE_COLUMNS = {  # summary column -> console heading; every column stays in summary.csv
     "tpot_median_ms": "TPOT ms", "tpot_over_specter": "x Specter", "acceptance_rate": "accept",
-    "h2d_mb_per_token": "MB/token", "tokens_identical": "same tokens"}
+    "decode_mb_per_token": "MB/token", "tpot_over_io_floor": "x floor", "tokens_identical": "same tokens"}
 
 
 def format_table(summary: pd.DataFrame, width: int = 120) -> str:
@@ -198,10 +232,29 @@ def format_table(summary: pd.DataFrame, width: int = 120) -> str:
     lines = [text] if text else []
     lines += [f"{row.system} / {row.get('dataset', '-')}: {_cut(str(row.status), width - 20)}"
               for _, row in summary[failed].iterrows()]
+    lines += peer_floor_lines(ok)
     if "tpot_over_specter" in ok:
-        lines.append("TPOT and the other columns: medians over decodes; x Specter: TPOT / Specter's (above 1: "
-                     "Specter is faster)")
+        lines.append("TPOT and the other columns: medians over decodes; x Specter: TPOT / Specter's on the same "
+                     "cases (>1: Specter faster)")
+    if "decode_mb_per_token" in ok:
+        lines.append("MB/token: H2D bytes per committed token while decoding"
+                     + ("; x floor: TPOT / those bytes at the run's H2D rate" if "tpot_over_io_floor" in ok else ""))
     return "\n".join(lines)
+
+
+def peer_floor_lines(summary: pd.DataFrame) -> list[str]:
+    """For each Specter system (per dataset, or its AVG row where there are several): its TPOT over the lowest
+    I/O floor among the other systems, the bound no implementation of that system's design goes below."""
+    if "tpot_over_peer_floor" not in summary:
+        return []
+    rows = summary[summary.tpot_over_peer_floor.notna()]
+    if "dataset" in rows and rows.dataset.nunique() > 2:  # several datasets and their AVG: the AVG line
+        rows = rows[rows.dataset == "AVG"]
+    elif "dataset" in rows:
+        rows = rows[rows.dataset != "AVG"]
+    return [f"{row.system}{'' if 'dataset' not in row else ' / ' + str(row.dataset)}: TPOT "
+            f"{row.tpot_over_peer_floor:.2f}x {row.lowest_peer_floor}'s I/O floor, the lowest among the peers "
+            f"(no implementation of that design decodes faster)" for _, row in rows.iterrows()]
 
 
 def _cut(text: str, width: int) -> str:

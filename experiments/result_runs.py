@@ -53,12 +53,38 @@ def run_table(directory: Path, experiment: str, name: str) -> pd.DataFrame:
     return summarize(read_records(directory / "records.csv"), SUMMARY_KEYS.get(experiment, ("system", "dataset")))
 
 
+def case_dataset(directory: Path) -> str | None:
+    """The one dataset a run measured (dataset=X, or dataset=all cut to one member); None for several."""
+    dataset = (run_config(directory).get("config") or {}).get("dataset")
+    if not isinstance(dataset, dict):
+        return None
+    members = dataset.get("members")
+    if not members:
+        return dataset.get("name")
+    return str(members[0]) if len(members) == 1 else None
+
+
+def run_label(directory: Path) -> tuple[str, bool]:
+    """(the run name a directory draws under, whether it is one dataset's case of a grid): the directory name
+    without its repeat suffix (.N), and without the `-<dataset>` (or a sweep's `-dataset<dataset>`) that names
+    a one-dataset case (scripts/run_all.sh --launcher: <model>-<mem>-<dataset>), so a grid's datasets share
+    their model and memory setting's panel."""
+    name, dataset = REPEAT_SUFFIX.sub("", directory.name), case_dataset(directory)
+    for suffix in (f"-{dataset}", f"-dataset{dataset}"):
+        if dataset and name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)], True
+    return name, False
+
+
 def summaries(root: Path, experiment: str, name: str = "summary.csv") -> pd.DataFrame:
-    """The chosen runs' tables, concatenated, with `run` (the run name) and `num_prompts` (from run.json)."""
+    """The chosen runs' tables, concatenated, with `run` (the run name: `run_label`) and `num_prompts` (from
+    run.json). A one-dataset case's AVG row (that dataset again) is left out."""
     frames = []
     for directory in chosen_runs(root, experiment, name):
         frame = run_table(directory, experiment, name)
-        frame["run"] = REPEAT_SUFFIX.sub("", directory.name)
+        frame["run"], case = run_label(directory)
+        if case and "dataset" in frame:
+            frame = frame[frame.dataset != "AVG"].copy()
         frame["num_prompts"] = (run_config(directory).get("config") or {}).get("num_prompts")
         frames.append(frame)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -47,7 +47,7 @@ def run_routing(cfg, out_dir: Path, open_writer):
             continue
         for i, ids in enumerate(cases):
             result = engine.generate(ids, cfg.max_new_tokens)
-            writer.add(record({**key, "prompt_id": i, "repeat": 0}, result, None))
+            writer.add(record({**key, "prompt_id": i, "repeat": 0}, result, None, writer.h2d_gbps))
             sets += [{"dataset": dataset, "prompt_id": i, "working_set": s} for s in result.stats["window_working_sets"]]
             layer_counts = np.array(result.stats["routing_counts"], dtype=float)  # [L, E]
             counts[dataset] = counts.get(dataset, 0) + layer_counts

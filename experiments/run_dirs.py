@@ -3,6 +3,7 @@ of the same config."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def sweep_suffix() -> str:
     overrides = [override.lstrip("+~").partition("=") for override in hydra_cfg.overrides.task]
     overrides = [(key, value) for key, _, value in overrides
                  if key.split(".")[0] not in NAMED_KEYS and not key.startswith("hydra")]
-    swept = swept_keys(sys.argv[1:])  # the sweep's command line, where this process has it (in-process launchers)
+    swept = swept_from_environment() or swept_keys(sys.argv[1:])  # a launcher's job: the parent's sweep
     if swept & {key for key, _ in overrides}:
         overrides = [(key, value) for key, value in overrides if key in swept]
     parts = [re.sub(r"[^A-Za-z0-9_.]+", "_", f"{key.split('.')[-1]}{value}").strip("_") for key, value in overrides]
@@ -71,6 +72,14 @@ def sweep_suffix() -> str:
 
 
 SWEEP_FUNCTIONS = re.compile(r"^(range|choice|interval|glob)\(")
+
+
+SWEPT_KEYS_VARIABLE = "SPECTER_SWEPT_KEYS"  # set by experiments.main for the jobs a launcher starts
+
+
+def swept_from_environment() -> set[str]:
+    """The swept keys the launching process put in the environment (a submitit job's argv is the worker's)."""
+    return {key for key in os.environ.get(SWEPT_KEYS_VARIABLE, "").split(",") if key}
 
 
 def swept_keys(argv: list[str]) -> set[str]:

@@ -219,11 +219,12 @@ def whole_number(value, name: str, least: int | None, alternatives: str = "") ->
 
 
 def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] | None = None,
-                   machine: dict | None = None) -> None:
+                   machine: dict | None = None, h2d_gbps: float | None = None) -> None:
     """run.json: resolved config, the checkpoint directory read (absolute; null for seeded weights), git
     commit, device, package versions, whether the run finished and, where given, `invocations`: one entry per
     process that wrote rows (see `invocation`). The top-level commit, GPU and machine are the latest one's
-    (`machine`: the state this process measured once at its start; measured now where not given)."""
+    (`machine`: the state this process measured once at its start; measured now where not given), and
+    `h2d_gbps`, the one pinned host-to-device bandwidth of every row's io_floor_ms (null without a GPU)."""
     checkpoint = checkpoint_path(cfg)
     info = {
         "complete": complete,
@@ -234,6 +235,7 @@ def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] |
         "git_dirty": _git_dirty(),  # tracked files differ from git_commit (or a copy whose .git is stale)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": machine if machine is not None else machine_state(cfg.device),
+        "h2d_gbps": h2d_gbps,
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
     }

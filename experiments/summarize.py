@@ -2,6 +2,7 @@
 
     python -m experiments.summarize results/batch/dsv2-high          # writes summary.csv there, prints it
     python -m experiments.summarize DIR --by-host     # per system and host (run.json's invocations): summary-by-host.csv
+    python -m experiments.summarize --merged results/paper   # every results directory under it: summary-merged.csv
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.records import SUMMARY_KEYS, format_table, read_records, summarize
+from experiments.result_runs import run_config, run_table
+
+MERGED_KEYS = ("run_dir", "experiment", "model", "mem")  # the merged summary's first columns: whose rows they are
 
 
 def summarize_dir(directory: Path, output: Path | None = None, by_host: bool = False) -> pd.DataFrame:
@@ -54,14 +58,61 @@ def row_hosts(n_rows: int, invocations: list[dict]) -> list[float | None]:
     return hosts
 
 
+def results_dirs(root: Path) -> list[Path]:
+    """Every results directory under `root` (itself included): those holding records.csv and run.json."""
+    return sorted(p.parent for p in root.rglob("records.csv") if (p.parent / "run.json").is_file())
+
+
+def merged_summary(root: Path, output: Path | None = None) -> pd.DataFrame:
+    """Every results directory's own summary (its summary.csv, else summarized from its records), concatenated
+    with `run_dir` (its path under `root`), `experiment`, `model` and `mem` (from its run.json) first; written
+    to `output` (default ROOT/summary-merged.csv), never over an existing file. Each row is one directory's:
+    nothing, a ratio included, is computed across two."""
+    if not root.is_dir():
+        raise ValueError(f"{root} is not a directory")
+    output = output or root / "summary-merged.csv"
+    if output.exists():
+        raise ValueError(f"{output} already exists; it is never overwritten: pass --output PATH")
+    frames = [frame for directory in results_dirs(root) if not (frame := labelled_summary(root, directory)).empty]
+    if not frames:
+        raise ValueError(f"no results directory with records under {root} (each needs records.csv and run.json)")
+    merged = pd.concat(frames, ignore_index=True)
+    merged.to_csv(output, index=False)
+    return merged
+
+
+def labelled_summary(root: Path, directory: Path) -> pd.DataFrame:
+    """One results directory's summary with the MERGED_KEYS columns first (a column of the summary's own by
+    one of those names becomes summary_<name>)."""
+    config = run_config(directory).get("config") or {}
+    experiment = (config.get("experiment") or {}).get("name")
+    model, mem = config.get("model") or {}, config.get("mem") or {}
+    summary = run_table(directory, experiment, "summary.csv")
+    labels = dict(zip(MERGED_KEYS, (directory.relative_to(root).as_posix(), experiment,
+                                    model.get("label") or model.get("name"), mem.get("name"))))
+    summary = summary.rename(columns={key: f"summary_{key}" for key in labels if key in summary})
+    for position, (key, value) in enumerate(labels.items()):
+        summary.insert(position, key, value)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path)
+    parser.add_argument("directory", type=Path, nargs="?")
+    parser.add_argument("--merged", type=Path, metavar="ROOT", default=None,
+                        help="every results directory under ROOT into ROOT/summary-merged.csv")
     parser.add_argument("--output", type=Path, default=None, help="where to write (default DIR/summary.csv)")
     parser.add_argument("--by-host", action="store_true",
                         help="per system and host (host_op_us of the invocation that wrote each row)")
     args = parser.parse_args(argv)
     try:
+        if (args.directory is None) == (args.merged is None) or (args.merged and args.by_host):
+            raise ValueError("give one results DIRECTORY (with or without --by-host) or --merged ROOT")
+        if args.merged is not None:
+            merged = merged_summary(args.merged, args.output)
+            print(f"{args.output or args.merged / 'summary-merged.csv'}: {len(merged)} rows from "
+                  f"{merged.run_dir.nunique()} results directories")
+            return 0
         summary = summarize_dir(args.directory, args.output, args.by_host)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

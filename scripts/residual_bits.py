@@ -2,7 +2,9 @@
 
 Byte counts are deterministic (no timing): the CPU measures them as well as a GPU would. Each row encodes
 one expert (gate, up and down projections) of seeded weights and checks that decoding rebuilds it bit
-for bit.
+for bit. It also measures what an entropy code could save: the empirical entropy of the residuals in each
+(margin class, width) bucket, the bits an ideal static code per bucket would spend on the stream (its tables
+not counted: a lower bound), against the fixed-width stream, overall and per margin class.
 
     python scripts/residual_bits.py --models dsv2 qwen --out results/reference/residual-bits
 """
@@ -19,7 +21,8 @@ from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.quant.gptq import gptq_quantize  # noqa: E402
 from specter.quant.int4 import GROUP_SIZE, quantize_to_codes, symmetric_scales, unpack_codes  # noqa: E402
-from specter.quant.residual import MARGINS, decode, encode  # noqa: E402
+from specter.quant.residual import (MARGINS, RAW_BITS, ResidualTensor, bits_of, class_margins,  # noqa: E402
+                                    decode, encode, intervals, order_keys)
 
 STD = 0.02  # weight scale of the seeded draws (the law's spread; the ratio does not depend on it much)
 
@@ -49,9 +52,36 @@ def codes_and_scales(weight: torch.Tensor, draft: str, generator: torch.Generato
     return unpack_codes(packed.qweight), packed.scales.transpose(-1, -2)
 
 
+def stream_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                encoded: ResidualTensor) -> torch.Tensor:
+    """Per margin class (and raw, last): [fixed-width stream bits, ideal entropy-coded bits, weights], float64.
+
+    The entropy of a bucket (class, width) is that of its residual values' frequencies in this tensor."""
+    group = encoded.group_size
+    keys = order_keys(bits_of(weight))
+    low, width = intervals(codes, scales, weight.dtype, group, class_margins(encoded.margin_class))
+    cls = encoded.margin_class.repeat_interleave(group, dim=-1).flatten().long()  # [weights]
+    value, width = (keys - low).flatten().long(), width.flatten().long()
+    out = torch.zeros(len(MARGINS) + 1, 3, dtype=torch.float64)
+    raw = cls == len(MARGINS)
+    out[-1] = torch.tensor([RAW_BITS * raw.sum().item(), RAW_BITS * raw.sum().item(), raw.sum().item()])
+    cls, value, width = cls[~raw], value[~raw], width[~raw]
+    bucket = cls * 32 + width
+    symbols, counts = torch.unique((bucket << 20) + value, return_counts=True)  # [distinct (bucket, value)]
+    of_symbol = symbols >> 20
+    totals = torch.zeros(int(bucket.max()) + 1 if len(bucket) else 1, dtype=torch.float64)
+    totals.index_add_(0, of_symbol, counts.double())
+    info = counts.double() * torch.log2(totals[of_symbol] / counts.double())  # n_v * log2(n_b / n_v)
+    for index in range(len(MARGINS)):
+        mine, symbol_mine = cls == index, (of_symbol // 32) == index
+        out[index] = torch.tensor([width[mine].sum().item(), info[symbol_mine].sum().item(), mine.sum().item()])
+    return out
+
+
 def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
     sent, weights, classes = 0, 0, torch.zeros(len(MARGINS) + 1, dtype=torch.int64)
+    bits = torch.zeros(len(MARGINS) + 1, 3, dtype=torch.float64)
     for shape in expert_shapes(name):
         weight = draw(shape, law, generator).to(dtype)
         codes, scales = codes_and_scales(weight, draft, generator)
@@ -61,12 +91,19 @@ def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) 
             raise AssertionError(f"{name} {shape}: the rebuilt weights differ")
         sent += encoded.nbytes()
         weights += weight.numel()
+        bits += stream_bits(weight, codes, scales, encoded)
         classes += torch.bincount(encoded.margin_class.flatten().long(), minlength=len(MARGINS) + 1)
     share = (classes.float() / classes.sum()).tolist()
+    fixed, ideal = bits[:, 0].sum().item(), bits[:, 1].sum().item()
+    per_class = lambda column: " ".join(f"{b[column] / b[2]:.2f}" if b[2] else "-" for b in bits.tolist())  # noqa: E731
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "law": law, "draft": draft,
             "bits_per_weight": round(sent * 8 / weights, 3), "expert_mb": round(weights * 2 / 1e6, 3),
             "sent_mb": round(sent / 1e6, 3), "sent_over_raw": round(sent / (weights * 2), 4),
-            "margin_class_shares": " ".join(f"{s:.3f}" for s in share)}
+            "margin_class_shares": " ".join(f"{s:.3f}" for s in share),
+            "stream_bits_per_weight": round(fixed / weights, 3),
+            "entropy_bits_per_weight": round(ideal / weights, 3),
+            "entropy_saving_of_sent": round((fixed - ideal) / (sent * 8), 4),
+            "class_stream_bits": per_class(0), "class_entropy_bits": per_class(1)}
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ def resolve(config: SpecterConfig, model) -> Resolved:
         "expert_wise": NOT_ASKED if not config.expert_wise else "on",
         "cuda_graph": graph_state(config, model.device),
         "draft_compile": NOT_ASKED if not config.draft_compile else compile_state(config, model.device),
-        "draft_ahead": NOT_ASKED if not config.draft_ahead else off_if(draft_ahead_problem(config, model)),
+        "draft_ahead": NOT_ASKED if not config.draft_ahead else off_if(draft_ahead_problem(config, model)
+                                                                       or side_stream_problem(model.device)),
         "residual_transfer": residual_state(config.residual_transfer, slots, model.dtype),
         "pooled_slots": pooled_state(config.pooled_slots, slots),
     }
@@ -49,6 +50,12 @@ def resolve(config: SpecterConfig, model) -> Resolved:
 
 def off_if(problem: str) -> str:
     return f"off: {problem}" if problem else "on"
+
+
+def side_stream_problem(device: torch.device) -> str:
+    """Why draft-ahead cannot gain on `device` ("" on CUDA): it drafts the next window on a side stream while the
+    verify pass runs; without one it runs in series and only adds the draft's work."""
+    return "" if device.type == "cuda" else "no CUDA device (nothing to run the draft beside the verify pass)"
 
 
 def offload_state(asked: bool, slots: int | None) -> str:

@@ -54,11 +54,23 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def h2d_per_token(stats: dict, tokens: int) -> dict:
-    """`stats` with h2d_bytes_per_token: its H2D bytes over `tokens` generated tokens (when it has H2D bytes)."""
+def h2d_split(stats: dict, prefill_bytes: int, decode_tokens: int) -> dict:
+    """`stats` with the one definition of bytes per token (when it has H2D bytes): prefill_h2d_bytes (copies
+    until the first token), decode_h2d_bytes (every copy after it) and decode_h2d_bytes_per_token, decoding's
+    bytes over `decode_tokens`, the tokens committed after each request's first (those TPOT counts)."""
     if "h2d_bytes" in stats:
-        stats["h2d_bytes_per_token"] = stats["h2d_bytes"] / max(tokens, 1)
+        stats["prefill_h2d_bytes"] = prefill_bytes
+        stats["decode_h2d_bytes"] = stats["h2d_bytes"] - prefill_bytes
+        stats["decode_h2d_bytes_per_token"] = stats["decode_h2d_bytes"] / max(decode_tokens, 1)
     return stats
+
+
+def io_floor_ms(bytes_per_token: float, h2d_gbps: float | None) -> float:
+    """The I/O floor per token: `bytes_per_token` at `h2d_gbps` (GB/s, pinned host to device) in ms; NaN
+    without a bandwidth (no PCIe: a CPU run) or without bytes."""
+    if not h2d_gbps or bytes_per_token != bytes_per_token:
+        return float("nan")
+    return bytes_per_token / (h2d_gbps * 1e6)
 
 
 def tpot_ms(commit_times_ms: list[float]) -> float:

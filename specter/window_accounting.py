@@ -1,7 +1,7 @@
-"""One request's offload accounting, window by window: prefill bytes, I/O floor, working sets, prefetch quality."""
+"""One request's offload accounting, window by window: prefill bytes, window misses, working sets, prefetch quality."""
 from __future__ import annotations
 
-from specter.metrics import DecodeMetrics, h2d_per_token
+from specter.metrics import DecodeMetrics, h2d_split
 from specter.offload.trace_overlap import copy_idle_by_phase
 from specter.prefetch.quality import PrefetchQuality
 
@@ -10,14 +10,14 @@ class WindowAccounting:
     """What one request moved against what it had to move (nothing when `session` is None: all resident).
 
     Per verify window: the experts resident when it begins; when it closes, the target's routing gives
-    the working set, the I/O floor (routed experts that were not resident at its start: bytes no
-    schedule could avoid) and, against the window's plan, the prefetch precision and recall.
+    the working set, the window's misses (routed experts that were not resident at its start: bytes no
+    schedule from that cache could avoid) and, against the window's plan, the prefetch precision and recall.
     """
 
     def __init__(self, session=None) -> None:
         self.session = session  # the offload.runtime.OffloadSession of the call, or None
         self.quality = PrefetchQuality()
-        self.io_floor_bytes = self.prefill_h2d_bytes = 0
+        self.window_miss_bytes = self.prefill_h2d_bytes = 0
         self.window_sets: list[float] = []  # per verify window: distinct experts per layer (mean over layers)
         self._resident_at_start: list[set] = []
 
@@ -28,14 +28,14 @@ class WindowAccounting:
             self.prefill_h2d_bytes = self.session.streams.copied_bytes()
 
     def begin_window(self) -> None:
-        """Which experts are resident as a window begins (for the I/O floor)."""
+        """Which experts are resident as a window begins (for its misses)."""
         if self.session is not None:
             cache = self.session.cache
             self._resident_at_start = [cache.resident_experts(layer) for layer in range(len(cache.layers))]
 
     def close_window(self, plan=None) -> dict[int, set]:
         """After a verify pass: the target's routing (layer -> experts, returned) against the window's plan
-        (prefetch.planner.WindowPlan; None: nothing planned), its working set and its I/O floor."""
+        (prefetch.planner.WindowPlan; None: nothing planned), its working set and its misses."""
         if self.session is None:
             return {}
         routed = self.session.residency.take_demand()
@@ -44,7 +44,7 @@ class WindowAccounting:
         if plan is not None:
             self.quality.add(plan.prefetched, routed)
         missing = sum(len(experts - self._resident_at_start[layer]) for layer, experts in routed.items())
-        self.io_floor_bytes += missing * self.session.cache.load_bytes
+        self.window_miss_bytes += missing * self.session.cache.load_bytes
         return routed
 
     def skip_window(self) -> None:
@@ -59,26 +59,13 @@ class WindowAccounting:
         if self.session is None:
             return stats
         stats.update(self.session.stats())
-        h2d_per_token(stats, stats["generated_tokens"])
-        stats["prefill_h2d_bytes"] = self.prefill_h2d_bytes
-        stats["decode_h2d_bytes"] = stats["h2d_bytes"] - self.prefill_h2d_bytes  # compare with io_floor_bytes
+        h2d_split(stats, self.prefill_h2d_bytes, stats["generated_tokens"] - 1)  # decode bytes: compare with misses
         stats.update(self.quality.stats())
         stats["prefetch_trace"] = [t.as_dict() for t in traces]
-        stats["io_floor_bytes"] = self.io_floor_bytes
-        stats.update(floor_stats(stats))
+        stats["window_miss_bytes"] = self.window_miss_bytes
         if copy_idle:
             streams = self.session.streams
             stats.update(copy_idle_by_phase(streams.copy_spans_ms(metrics.timeline), metrics.phase_spans_ms()))
         stats["window_working_sets"] = list(self.window_sets)
         return stats
 
-
-def floor_stats(stats: dict) -> dict:
-    """Per generated token: the I/O floor in ms at the request's measured copy rate (io_floor_bytes /
-    (h2d_bytes / h2d_busy_ms))."""
-    tokens = max(stats.get("generated_tokens", 0), 1)
-    out = {}
-    if stats.get("h2d_busy_ms", 0) > 0 and stats.get("h2d_bytes", 0) > 0:
-        bytes_per_ms = stats["h2d_bytes"] / stats["h2d_busy_ms"]
-        out["io_floor_ms_per_token"] = stats["io_floor_bytes"] / bytes_per_ms / tokens
-    return out

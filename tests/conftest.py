@@ -43,6 +43,14 @@ def in_process_vllm_engine():
         yield
 
 
+@pytest.fixture
+def draft_ahead_on_cpu(monkeypatch):
+    """Draft-ahead runs on the CPU too (in series: no side stream), so its logic is tested here; without this
+    fixture it switches itself off without CUDA."""
+    import specter.mechanisms
+    monkeypatch.setattr(specter.mechanisms, "side_stream_problem", lambda device: "")
+
+
 @pytest.fixture(params=TINY_MODELS)
 def tiny_name(request) -> str:
     return request.param

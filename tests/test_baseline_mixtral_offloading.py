@@ -47,6 +47,9 @@ def test_greedy_equals_target_only_for_sc_sm_and_one_slot(tiny_name):
         assert out.stats["generated_tokens"] == NEW and out.stats["tpot_ms"] > 0
         assert out.stats["misses"] > 0 and out.stats["h2d_copies"] == out.stats["misses"]
         assert out.stats["h2d_bytes"] == out.stats["misses"] * system.cache.store.expert_bytes
+        prefill, decode = out.stats["prefill_h2d_bytes"], out.stats["decode_h2d_bytes"]
+        assert prefill > 0 and prefill + decode == out.stats["h2d_bytes"]  # the prompt's loads apart
+        assert out.stats["decode_h2d_bytes_per_token"] == decode / (NEW - 1)
     assert all(m.target_executor is None for m in model.experts)  # the resident model is left as it was
 
 

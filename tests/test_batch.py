@@ -56,10 +56,13 @@ def test_a_request_ending_early_does_not_disturb_the_others():
 def test_batched_offload_shares_the_cache_and_counts_the_working_set():
     engine = specter.SpecterEngine(fresh("tiny-qwen"), specter.SpecterConfig(k=4, resident_experts_per_layer=2))
     one = engine.generate([PROMPTS[0]], 12)[0].stats
-    four = engine.generate(PROMPTS, 12)[0].stats
+    results = engine.generate(PROMPTS, 12)
+    four = results[0].stats
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(four["window_working_sets"]) > mean(one["window_working_sets"])  # more requests, more experts
-    assert four["h2d_bytes_per_token"] < one["h2d_bytes_per_token"] * 4
+    assert four["decode_h2d_bytes_per_token"] < one["decode_h2d_bytes_per_token"] * 4
+    decode_tokens = sum(r.stats["generated_tokens"] - 1 for r in results)  # after each request's first token
+    assert four["decode_h2d_bytes_per_token"] == four["decode_h2d_bytes"] / decode_tokens
 
 
 @pytest.mark.parametrize("bad, message", [([[]], "T >= 1"), ([[1, 2], []], "T >= 1")])

@@ -73,3 +73,12 @@ def test_a_partial_rerun_is_compared_over_the_prompts_both_measured(tmp_path, ca
     assert main([str(tmp_path / "ref"), str(tmp_path / "new"), "--all-cases"]) == 1  # median 15 against 10.5
     captured = capsys.readouterr()
     assert "specter/gsm8k (0.70x)" in captured.out and "note:" not in captured.err
+
+
+def test_ratios_between_systems_are_each_runs_own_never_pooled(tmp_path, capsys):
+    write_run(tmp_path / "ref", {("specter", "gsm8k"): [10.0, 10.0, 10.0], ("mo_sm", "gsm8k"): [40.0, 40.0, 40.0]})
+    write_run(tmp_path / "new", {("specter", "gsm8k"): [20.0, 20.0, 20.0], ("mo_sm", "gsm8k"): [60.0, 60.0, 60.0]})
+    main([str(tmp_path / "ref"), str(tmp_path / "new"), "--tolerance", "2"])
+    out = capsys.readouterr().out.split("x Specter within each run")[1]
+    mo_sm = next(line for line in out.splitlines() if line.strip().startswith("mo_sm")).split()
+    assert mo_sm[1:] == ["4.000", "3.000", "3.00-4.00x"]  # 40/10 and 60/20; never 60/10 or a pooled 50/15

@@ -23,6 +23,7 @@ def hf_greedy_in(name: str, dtype: torch.dtype, input_ids: torch.Tensor, new: in
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.usefixtures("draft_ahead_on_cpu")  # every mechanism together, draft-ahead too (in series on a CPU)
 def test_the_default_equals_hf_greedy_at_tight_memory_in_bfloat16(name):
     """bfloat16 experts, so residual transfer runs (on the CPU its decode is the torch reference); 3 slots per
     layer, 2 of them pooled; draft-ahead wherever the model has one RoPE."""
@@ -40,6 +41,7 @@ def test_the_default_equals_hf_greedy_at_tight_memory_in_bfloat16(name):
     assert ran["cuda_graph"] == "off: no CUDA device" and ran["draft_compile"].startswith("off: no CUDA graph")
 
 
+@pytest.mark.usefixtures("draft_ahead_on_cpu")
 def test_batches_and_sampling_give_correct_tokens_with_draft_ahead_off_and_say_so():
     model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
     engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=3))
@@ -78,6 +80,8 @@ def test_mechanisms_that_cannot_apply_switch_themselves_off_with_the_reason():
     assert offloaded.mechanisms["residual_transfer"].startswith("off: residual_transfer needs 16-bit experts")
     assert offloaded.mechanisms["pooled_slots"].startswith("off: needs at least 2 slots per layer")
     assert get_spec("dsv2").k_for(4) == 32 and get_spec("dsv2").k_for(16) == 16 and get_spec("dsv2").k_for(7) == 16
+    assert offloaded.mechanisms["draft_ahead"] == "off: no CUDA device (nothing to run the draft beside the verify pass)"
+    assert not offloaded.config.draft_ahead  # in series on a CPU it only adds the draft's work
 
 
 @pytest.mark.gpu

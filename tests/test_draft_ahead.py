@@ -11,6 +11,7 @@ from specter.speculative.state import copy_rows
 from tests.conftest import TINY_MODELS, hf_greedy, prompt, tiny_model
 
 NEW = 32
+pytestmark = pytest.mark.usefixtures("draft_ahead_on_cpu")  # its logic on the CPU, where it is off by default
 
 
 @pytest.mark.parametrize("slots", [None, 2])

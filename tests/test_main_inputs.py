@@ -99,3 +99,20 @@ def test_help_lists_systems_models_memory_experiments_and_the_common_options(tmp
     common = text.split("common options:\n")[1].split("\n\n")[0].splitlines()
     assert len(common) == 10 and all(len(line.split("  ", 2)) >= 2 for line in common)
     assert "_target_" not in text and "Hydra" in text and not (tmp_path / "results").exists()
+
+
+def test_a_sweep_over_a_group_checks_each_option(tmp_path, monkeypatch):
+    from experiments.main import check_group_choices
+
+    check_group_choices(["-m", "dataset=gsm8k,humaneval", "mem=high,low", "model=choice(tiny,dsv2)"])
+    with pytest.raises(SpecterError, match="unknown dataset 'nope'"):
+        check_group_choices(["dataset=gsm8k,nope"])
+
+
+def test_a_launchers_job_names_its_directory_by_the_parents_sweep(monkeypatch):
+    from experiments import run_dirs
+
+    monkeypatch.setenv(run_dirs.SWEPT_KEYS_VARIABLE, "k")
+    assert run_dirs.swept_from_environment() == {"k"}
+    monkeypatch.setenv(run_dirs.SWEPT_KEYS_VARIABLE, "")
+    assert run_dirs.swept_from_environment() == set()  # no sweep said: the job's own command line decides

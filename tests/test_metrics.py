@@ -39,12 +39,14 @@ def test_gc_paused_pauses_collection_and_restores_the_previous_state(enabled_bef
         gc.enable()
 
 
-def test_floor_stats_per_token_at_the_requests_own_copy_rate():
-    from specter.window_accounting import floor_stats
+def test_decode_bytes_per_token_and_the_io_floor_at_one_bandwidth():
+    from specter.metrics import h2d_split, io_floor_ms
 
-    stats = {"generated_tokens": 10, "h2d_bytes": 4e7, "h2d_busy_ms": 4.0, "io_floor_bytes": 2e7}
-    assert floor_stats(stats) == {"io_floor_ms_per_token": 0.2}  # 1e7 bytes/ms: the floor is 2 ms over 10 tokens
-    assert floor_stats({"generated_tokens": 4, "h2d_bytes": 0}) == {}
+    stats = h2d_split({"h2d_bytes": 5e7}, prefill_bytes=1e7, decode_tokens=10)
+    assert (stats["prefill_h2d_bytes"], stats["decode_h2d_bytes"], stats["decode_h2d_bytes_per_token"]) == (1e7, 4e7, 4e6)
+    assert h2d_split({"tpot_ms": 1.0}, 0, 10) == {"tpot_ms": 1.0}  # a system that moves nothing has no bytes
+    assert io_floor_ms(4e6, 50.0) == pytest.approx(0.08)  # 4 MB at 50 GB/s
+    assert math.isnan(io_floor_ms(4e6, None)) and math.isnan(io_floor_ms(float("nan"), 50.0))  # no PCIe, no bytes
 
 
 def test_rows_csv_has_a_column_for_a_key_the_first_row_lacks(tmp_path):

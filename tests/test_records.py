@@ -64,7 +64,7 @@ def test_the_console_table_shows_medians_in_at_most_120_columns_and_unavailable_
     from experiments.records import FIELDS, format_table, summarize
     tpots = (4.0, 4.8, 5.0, 116.8)  # one slow decode: the mean is 32.65, the median 4.9
     rows = [{**dict.fromkeys(FIELDS, ""), **row("specter", r), "tpot_ms": t, "acceptance_rate": 0.9,
-             "h2d_bytes_per_token": 2e6, "tokens_match_target": "yes"} for r, t in enumerate(tpots)]
+             "decode_h2d_bytes_per_token": 2e6, "tokens_match_target": "yes"} for r, t in enumerate(tpots)]
     rows.append({**row("mo_sm", 0), "status": "unavailable: " + "a long reason " * 20})
     summary = summarize(pd.DataFrame(rows))
     specter = summary[(summary.system == "specter") & (summary.dataset == "gsm8k")].iloc[0]
@@ -80,17 +80,17 @@ def test_the_console_table_shows_medians_in_at_most_120_columns_and_unavailable_
 
 
 def test_a_file_from_before_new_columns_is_resumed_with_its_own_header(tmp_path):
-    from experiments.records import FIELDS, FLOOR_STATS, summarize
+    from experiments.records import FIELDS, summarize
 
-    old_fields = [f for f in FIELDS if f not in FLOOR_STATS]
+    old_fields = [f for f in FIELDS if f not in ("io_floor_ms", "invocation")]
     (tmp_path / "records.csv").write_text(",".join(old_fields) + "\n")
     writer = RecordWriter(tmp_path, resume=True)
-    writer.add(row("specter", 0) | {"io_floor_ms_per_token": 5.0})
+    writer.add(row("specter", 0) | {"io_floor_ms": 5.0})
     assert (tmp_path / "records.csv").read_text().splitlines()[0] == ",".join(old_fields)
     frame = read_records(tmp_path / "records.csv")
     assert list(frame.columns) == old_fields and list(frame.tpot_ms) == [10.0]
     summary = summarize(frame)
-    assert "io_floor_ms_per_token" not in summary and list(summary.tpot_median_ms) == [10.0, 10.0]  # gsm8k, AVG
+    assert "io_floor_ms" not in summary and list(summary.tpot_median_ms) == [10.0, 10.0]  # gsm8k, AVG
 
 
 def test_the_summary_has_the_floor_where_measured():
@@ -98,12 +98,20 @@ def test_the_summary_has_the_floor_where_measured():
 
     from experiments.records import summarize
 
-    rows = [row("specter", r) | {"io_floor_ms_per_token": 5.0} for r in (0, 1)]
-    rows.append(row("target_only", 0))
-    summary = summarize(pd.DataFrame(rows).assign(tokens_match_target="")).set_index(["system", "dataset"])
+    from experiments.records import format_table
+
+    rows = [row("specter", r) | {"io_floor_ms": 5.0} for r in (0, 1)]
+    rows += [row("target_only", 0), row("mo_sm", 0) | {"tpot_ms": 40.0, "io_floor_ms": 3.0},
+             row("specmoeoff_sm", 0) | {"tpot_ms": 30.0, "io_floor_ms": 4.0}]
+    frame = pd.DataFrame(rows).assign(tokens_match_target="")
+    summary = summarize(frame).set_index(["system", "dataset"])
     specter = summary.loc[("specter", "gsm8k")]
     assert specter.tpot_median_ms == 10.5 and specter.tpot_over_io_floor == 10.5 / 5.0
     assert pd.isna(summary.loc[("target_only", "gsm8k")].tpot_over_io_floor)
+    assert specter.lowest_peer_floor == "mo_sm" and specter.tpot_over_peer_floor == 10.5 / 3.0  # the lowest peer floor
+    assert pd.isna(summary.loc[("mo_sm", "gsm8k")].tpot_over_peer_floor)  # only Specter's TPOT goes over the peers'
+    table = format_table(summarize(frame))
+    assert "specter / gsm8k: TPOT 3.50x mo_sm's I/O floor, the lowest among the peers" in table and "x floor" in table
 
 
 def test_summarize_by_host_splits_rows_at_each_invocations_first_row(tmp_path):

@@ -6,7 +6,7 @@ from contextlib import nullcontext
 import torch
 
 from specter.errors import SpecterError
-from specter.metrics import DecodeMetrics, GenerationResult, h2d_per_token
+from specter.metrics import DecodeMetrics, GenerationResult, h2d_split
 from specter.models.hybrid_experts import DRAFT
 from specter.verify.accept import verify_batch
 
@@ -136,7 +136,7 @@ def batch_results(generated: list[list[int]], metrics: list, max_new_tokens: int
     summaries = [m.summary() for m in metrics]
     total = sum(s["generated_tokens"] for s in summaries)
     wall_ms = max(s["e2e_ms"] for s in summaries)
-    shared = h2d_per_token(dict(shared), total)
+    shared = h2d_split(dict(shared), shared.get("prefill_h2d_bytes", 0), total - len(generated))
     batch = {"batch_size": len(generated),
              "throughput_tok_s": total / wall_ms * 1e3 if wall_ms > 0 else float("nan"),
              "mean_tpot_ms": sum(s["tpot_ms"] for s in summaries) / len(summaries)}

@@ -1,4 +1,4 @@
-"""Page-locked host memory for the host stores: large tensors registered in place, small ones pinned copies."""
+"""Page-locked host memory: the host stores' tensors (large ones registered in place) and the link's measured copy rate."""
 from __future__ import annotations
 
 import weakref
@@ -32,3 +32,24 @@ def register_in_place(tensor: torch.Tensor) -> bool:
         return False
     weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
     return True
+
+
+def pinned_h2d_gbps(device: str | torch.device, chunk_mb: int = 32, chunks: int = 8, rounds: int = 5) -> float | None:
+    """The pinned host-to-device copy rate of `device` in GB/s (1e9 bytes), the median of `rounds` rounds of
+    `chunks` back-to-back copies of `chunk_mb` MB (an expert-sized copy), after one warm-up round; None
+    where `device` is not a CUDA GPU (no PCIe link to measure)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    src = torch.empty(chunk_mb * 2**20, dtype=torch.uint8).pin_memory()
+    dst = [torch.empty_like(src, device=device) for _ in range(2)]
+    rates = []
+    for _ in range(rounds + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(chunks):
+            dst[i % 2].copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(chunks * src.numel() / (start.elapsed_time(end) * 1e6))  # bytes per ms / 1e6 = GB/s
+    return round(sorted(rates[1:])[rounds // 2], 2)

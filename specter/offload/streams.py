@@ -80,6 +80,21 @@ class DeviceStreams:
         self.log.copies.append(CopyRecord(start, ready, nbytes, after))
         return ready
 
+    def copy_in_order(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src on the compute stream, after the kernels issued so far and before those issued next (no
+        event orders it), timed and logged as a copy and as the compute stall it is; synchronous on CPU."""
+        nbytes = src.numel() * src.element_size()
+        if not self.cuda:
+            self._on_host(lambda: dst.copy_(src), nbytes, demand=True)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = self.compute_stream()
+        start.record(stream)
+        dst.copy_(src, non_blocking=True)
+        end.record(stream)
+        self.log.copies.append(CopyRecord(start, end, nbytes))
+        self.log.stalls.append((start, end))
+
     def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, stream, start, end) -> None:
         self._issue_copies([(dst, src)], stream, start, end)
 

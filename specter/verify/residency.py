@@ -101,13 +101,12 @@ class ResidencyManager:
         return out
 
     def _verify_layer(self, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
-        if self.options.expert_wise:
-            self._expert_wise(module, hidden, top_k_index, rows)  # rows: [T*k, H]
-        else:
+        if not self.options.expert_wise:
             routing = top_k_index.tolist()  # [T][k], the one host read of this layer
             self._observe(module, routing)
-            self._token_wise(module, hidden, routing, rows)
+            return combine_rows(self._token_wise(module, hidden, routing), top_k_weights, hidden.dtype)
+        rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        self._expert_wise(module, hidden, top_k_index, rows)  # rows: [T*k, H]
         return combine_rows(rows, top_k_weights, hidden.dtype)
 
     def _observe(self, module, routing: list[list[int]]) -> list[int]:
@@ -218,16 +217,18 @@ class ResidencyManager:
         cache.release_all(layer, [slot for _, slot in wave])
         self.host_wave_ms += (time.perf_counter() - start) * 1e3
 
-    def _token_wise(self, module, hidden: torch.Tensor, routing: list[list[int]], rows) -> None:
-        """Ablation: conventional chronological verification, one GEMV per (token, slot), loading on demand."""
-        layer, k = module.moe_layer, len(routing[0])
+    def _token_wise(self, module, hidden: torch.Tensor, routing: list[list[int]]) -> torch.Tensor:
+        """Ablation: conventional chronological verification, one GEMV per (token, slot), loading on demand;
+        the rows [T*k, H] (fp32) of the pairs, stacked once."""
+        layer, k, outs = module.moe_layer, len(routing[0]), []
         for pair, expert in enumerate(e for token in routing for e in token):
             slot = self.cache.acquire(layer, expert)
             self.cache.streams.wait(self.cache.ready_event(layer, slot))
             gate_up, down = self.cache.weights(layer, slot)
             token = hidden[pair // k: pair // k + 1]  # [1, H]
-            rows[pair] = expert_mlp(token, gate_up, down, module.act_fn)[0].float()
+            outs.append(expert_mlp(token, gate_up, down, module.act_fn))  # [1, H]
             self.cache.release(layer, slot)
+        return torch.cat(outs).float()
 
     def take_demand(self) -> dict[int, set]:
         """The target's routing since the last call (one verify window): layer -> experts."""
