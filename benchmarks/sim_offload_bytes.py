@@ -15,12 +15,13 @@ Per configuration it prints decoding's PCIe megabytes per committed token (spect
 definition), expert loads per token against the window misses (experts the target routed to that were not
 resident when their window started; with residual transfer a load is a blob), their ratio, wasted loads, prefetches, loads ahead, reloads by cause, the hit
 rate and the mean accepted length; `--mo-sm` first prints MO-SM's bytes at the same memory.
-`--residual-slots` adds the residual what-if: every expert is encoded against its INT4 draft (the blobs'
-mean size is exact), then Specter's loads with 16-bit slots are priced at a blob each (residual transfer,
+`--residual-slots` adds the residual what-if: the first BLOB_SAMPLE experts of each layer are encoded against
+their INT4 draft (exact blob sizes; their mean prices a load), then Specter's loads with 16-bit slots are priced at a blob each (residual transfer,
 the default on a GPU: the same loads, fewer bytes), and residual-coded slots (the same memory holding
 slots * expert_bytes // blob_bytes experts as blobs, each rebuilt before its GEMM) are simulated as that
 many slots whose loads move a blob; the CPU does not decode (a reference decode takes about a second per
-expert), so cache behaviour is the 16-bit loads' and only the load size changes. `--out DIR` writes every
+expert), so cache behaviour is the 16-bit loads' and only the load size changes. Every Specter row runs with
+`residual_transfer=False` (its loads are counted at 16 bits; the what-if prices them as blobs). `--out DIR` writes every
 row to DIR/sim_offload_bytes.csv as it is measured (commit, host, workload). TPOT is not simulated: the copy stream's idle time needs the GPU (benchmarks/bench_offload.py). Reference results:
 results/reference/NOTES.md.
 """
@@ -47,13 +48,15 @@ from specter.models.registry import get_spec  # noqa: E402
 from specter.models.tokenizer import ByteTokenizer  # noqa: E402
 from specter.offload.budget import plan_memory  # noqa: E402
 from specter.offload.expert_cache import CAUSES  # noqa: E402
-from specter.offload.residual_store import ResidualExpertStore  # noqa: E402
+from specter.quant.int4 import Int4Linear  # noqa: E402
+from specter.quant.residual_expert import encode_experts  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 from specter.prefetch.planner import CostModel  # noqa: E402
 
 # replayed draft step per MoE layer on the H200 (dsv2: results/reference/NOTES.md; qwen: calibrated-h200/offload-*.csv)
 H200_DRAFT_MS_PER_MOE_LAYER = {"dsv2": 6.44 / 26, "qwen": 5.82 / 24}
 H200_BYTES_PER_MS = 54.2e6
+BLOB_SAMPLE = 4  # experts per MoE layer encoded for the mean blob size
 SIM_VOCAB = 4096  # the byte-level prompts need 257 ids; 102400 would only make embeddings and lm_head bigger
 
 
@@ -103,9 +106,22 @@ def measure_mo_sm(model, slots: int, prompts: list[torch.Tensor], new_tokens: in
             "slots": system.slots}
 
 
+def sample_blob_bytes(model, per_layer: int) -> float:
+    """Mean bytes of a residual blob over the first `per_layer` experts of every MoE layer, each encoded against
+    its layer's INT4 draft as the residual store encodes them (exact sizes; a CPU encode takes seconds)."""
+    sizes = []
+    for layer, module in enumerate(model.experts):
+        gate_up, down = model.host_store.layer_weights(layer)  # [E, 2I, H], [E, H, I]
+        chunk = slice(0, per_layer)
+        drafts = [Int4Linear(d.qweight[chunk], d.scales[chunk], d.group_size)
+                  for d in (module.draft_gate_up, module.draft_down)]
+        sizes += [blob.numel() * 4 for blob in encode_experts([gate_up[chunk], down[chunk]], drafts)]
+    return sum(sizes) / len(sizes)
+
+
 def residual_rows(model, config: specter.SpecterConfig, prompts: list[torch.Tensor], new_tokens: int) -> list[dict]:
     """The residual what-if at `config`'s memory: 16-bit loads, the same loads as blobs, residual-coded slots."""
-    blob = ResidualExpertStore.build(model.host_store, model.experts).mean_blob_bytes
+    blob = sample_blob_bytes(model, BLOB_SAMPLE)
     slots, raw = config.resident_experts_per_layer, model.host_store.expert_bytes
     sixteen = measure(model, dataclasses.replace(config, residual_transfer=False), prompts, new_tokens)
     coded_slots = min(model.num_experts, int(slots * raw // blob))
@@ -159,11 +175,13 @@ def main() -> None:
     emit = lambda row: print_row(log.add(row, workload) if log else row)  # noqa: E731
     if args.mo_sm:
         emit({"system": "mo_sm", **measure_mo_sm(model, args.slots, prompts, args.new_tokens)})
-    config = specter.SpecterConfig(k=args.k, resident_experts_per_layer=args.slots, cuda_graph=False)
+    config = specter.SpecterConfig(k=args.k, resident_experts_per_layer=args.slots, cuda_graph=False,
+                                   residual_transfer=False)  # loads counted at 16 bits: no CPU decode
     if args.residual_slots:
         for row in residual_rows(model, config, prompts, args.new_tokens):
             emit(row)
-    for label, options in [("specter", {})] + [(v, parse_variant(v)) for v in args.variants]:
+    systems = ([] if args.residual_slots else [("specter", {})]) + [(v, parse_variant(v)) for v in args.variants]
+    for label, options in systems:
         t1 = time.time()
         row = measure(model, dataclasses.replace(config, **options), prompts, args.new_tokens)  # a variant may set k
         emit({"system": label, "slots": args.slots, **row, "seconds": round(time.time() - t1)})

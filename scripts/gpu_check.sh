@@ -19,7 +19,10 @@
 # a full-size model's setup and warm-ups take 100-170 s), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time; RESUME=force continues one whose config has changed since, e.g. a default), a summary
-# per directory in OUT_DIR. batch: experiment=batch on dsv2 (BATCH_SIZES,
+# per directory in OUT_DIR. table: the table of record (report's loop): calibrated weights, MODELS default
+# "dsv2 qwen phi mixtral", SYSTEMS default specter,specter_paper,target_only,mo_sm,specmoeoff_sm,transformers,llama_cpp,
+# REPEATS default 3, resuming TABLE_DIR (default .table-h200; carry it), then `python -m experiments.table`
+# into OUT/table.md (copy the run directories to results/reference/table-h200/ and the table to the README). batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
 # Hydra overrides such as token_caps.specmoeoff_sm=32), resuming
 # REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
@@ -67,6 +70,23 @@ LLAMA_SITE="$PWD/.llamacpp-site"  # the llamacpp step's CUDA build (git-ignored,
 if [ -f "$LLAMA_SITE/llama_cpp/__init__.py" ]; then  # later steps and calls run llama.cpp from it
   export PYTHONPATH="$LLAMA_SITE:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1)
 fi
+main_grid() {  # MODELS WEIGHTS REPEATS ROOT SYSTEMS: the main experiment per model and MEMS, each resumable under ROOT
+  local rc=0 model mem dir resume
+  for model in $1; do for mem in ${MEMS:-high low}; do
+    dir="$4/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume="${RESUME:-true}"
+    if [ "${REPORT_TIMEOUT_S:-0}" -gt 0 ] && [ "${REPORT_TIMEOUT_S}" -lt "${REPORT_MIN_S:-200}" ]; then
+      echo "skipped main-$model-$mem: REPORT_TIMEOUT_S=$REPORT_TIMEOUT_S is below REPORT_MIN_S=${REPORT_MIN_S:-200} (setup alone takes 100-170 s)"
+      rc=1; continue
+    fi
+    timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" model.weights="$2" dataset=all \
+      "systems=[$5]" num_prompts="${NUM_PROMPTS:-1}" repeats="$3" token_caps.transformers="${TF_CAP:-8}" \
+      results_root="$4" results_dir="$dir" resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
+    grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
+    local name; name=$(basename "$4"); tar czf "$OUT/${name#.}.tgz" "$4"  # after each run: unpack it in the repo to resume
+  done; done
+  return $rc
+}
+
 status=0
 for step in "${STEPS[@]}"; do
   start=$(date +%s)
@@ -128,21 +148,13 @@ for step in "${STEPS[@]}"; do
              grep -E " AVG |best K|error" "$OUT/depth-$model-$mem.log" || tail -n 3 "$OUT/depth-$model-$mem.log"
              tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}"  # after each run: unpack it in the repo to resume
            done; done ;;
-    report) rc=0
-            for model in ${MODELS:-dsv2 qwen}; do for mem in ${MEMS:-high low}; do
-              dir="${REPORT_DIR:-.report}/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume="${RESUME:-true}"
-              if [ "${REPORT_TIMEOUT_S:-0}" -gt 0 ] && [ "${REPORT_TIMEOUT_S}" -lt "${REPORT_MIN_S:-200}" ]; then
-                echo "skipped main-$model-$mem: REPORT_TIMEOUT_S=$REPORT_TIMEOUT_S is below REPORT_MIN_S=${REPORT_MIN_S:-200} (setup alone takes 100-170 s)"
-                rc=1; continue
-              fi
-              timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" \
-                model.weights="${WEIGHTS:-synthetic}" dataset=all \
-                "systems=[${SYSTEMS:-specter,specter_paper,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp}]" \
-                num_prompts="${NUM_PROMPTS:-1}" repeats="${REPEATS:-1}" token_caps.transformers="${TF_CAP:-8}" \
-                results_root="${REPORT_DIR:-.report}" results_dir="$dir" resume=$resume ${REPORT_ARGS:-} > "$OUT/main-$model-$mem.log" 2>&1 || rc=1
-              grep -E " AVG " "$OUT/main-$model-$mem.log" || tail -n 3 "$OUT/main-$model-$mem.log"
-              tar czf "$OUT/report.tgz" "${REPORT_DIR:-.report}"  # after each run: unpack it in the repo to resume
-            done; done ;;
+    report) main_grid "${MODELS:-dsv2 qwen}" "${WEIGHTS:-synthetic}" "${REPEATS:-1}" "${REPORT_DIR:-.report}" \
+              "${SYSTEMS:-specter,specter_paper,target_only,transformers,mo_sc,mo_sm,specmoeoff_sc,specmoeoff_sm,vllm,llama_cpp}"
+            rc=$? ;;
+    table) main_grid "${MODELS:-dsv2 qwen phi mixtral}" calibrated "${REPEATS:-3}" "${TABLE_DIR:-.table-h200}" \
+             "${SYSTEMS:-specter,specter_paper,target_only,mo_sm,specmoeoff_sm,transformers,llama_cpp}"
+           rc=$?
+           python3 -m experiments.table "${TABLE_DIR:-.table-h200}" > "$OUT/table.md" && tail -n 40 "$OUT/table.md" ;;
     batch) dir="${REPORT_DIR:-.report}/batch-dsv2"; resume=false; [ -d "$dir" ] && resume=true
            python3 -m experiments.main experiment=batch model=dsv2 mem=high model.weights="${WEIGHTS:-synthetic}" \
              dataset="${BATCH_DATASET:-gsm8k}" num_prompts=32 repeats=1 max_new_tokens="${BATCH_TOKENS:-64}" \

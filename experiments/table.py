@@ -1,0 +1,120 @@
+"""The results table of record: one block per (model, memory) run, every ratio taken within that run.
+
+    python -m experiments.table results/reference/table-h200              # Markdown on stdout
+    python -m experiments.table ROOT --out table.md                       # never over an existing file
+
+For every main-experiment directory under ROOT (records.csv and run.json), one block: its setup line (model,
+weights, memory, K, cases, datasets, GPU, commit, the run's H2D bandwidth), then per system over all its
+measured cases the median TPOT, its TPOT over Specter's on the cases both ran in one process, decoding's H2D
+MB per committed token, its I/O floor (those bytes at the run's bandwidth) and TPOT over it, and how many
+cases gave the resident target's tokens; under it, each Specter's TPOT over the lowest peer floor. A system
+that could not run is listed with its reason. Exit status 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.medians import system_medians
+from experiments.records import read_records
+from experiments.summarize import results_dirs
+
+COLUMNS = {"tpot_ms": "TPOT ms", "x_specter": "x Specter", "mb_per_token": "MB/token", "io_floor_ms": "floor ms",
+           "x_floor": "x floor", "tokens": "target's tokens"}
+
+
+def run_block(directory: Path) -> str:
+    """One run's setup line, its systems' table and the peer-floor lines (Markdown)."""
+    info = json.loads((directory / "run.json").read_text())
+    records = read_records(directory / "records.csv")
+    table = system_medians(records)
+    if table.empty:
+        return f"### {directory.name}\n\nno measured rows\n"
+    table["mb_per_token"] = table.gb_per_token * 1e3
+    table["x_floor"] = table.tpot_ms / table.io_floor_ms
+    table["tokens"] = [f"{row.tokens_match_target}/{row.cases}" if row.system != "target_only" else "(reference)"
+                       for row in table.itertuples()]
+    lines = [f"### {setup_line(info, records)}", "", markdown(table)]
+    lines += [f"- {line}" for line in peer_floor_lines(table)]
+    missing = records[records.status != "ok"].drop_duplicates("system")
+    lines += [f"- {row.system}: {row.status}" for row in missing.itertuples() if row.system not in set(table.system)]
+    return "\n".join(lines) + "\n"
+
+
+def setup_line(info: dict, records: pd.DataFrame) -> str:
+    """`dsv2 (calibrated), mem=low, K=32: 18 cases (gsm8k, humaneval), NVIDIA H200, commit abc1234, 53.1 GB/s`."""
+    config = info.get("config") or {}
+    model, mem = config.get("model") or {}, config.get("mem") or {}
+    ok = records[records.status == "ok"]
+    ks = ", ".join(sorted({str(k) for k in ok.get("k", [])})) or "-"
+    datasets = ", ".join(dict.fromkeys(ok.dataset.astype(str))) if "dataset" in ok else "-"
+    gbps = info.get("h2d_gbps")
+    return (f"{model.get('label') or model.get('name')} ({model.get('weights')}), mem={mem.get('name')}, K={ks}: "
+            f"{len(ok)} decodes ({datasets}; {config.get('repeats')} repeats), {info.get('gpu') or 'CPU'}, "
+            f"commit {str(info.get('git_commit'))[:7]}, H2D {f'{gbps} GB/s' if gbps else 'not measured (no GPU)'}")
+
+
+def peer_floor_lines(table: pd.DataFrame) -> list[str]:
+    """Each Specter's TPOT over the lowest I/O floor among the run's other systems."""
+    peers = table[~table.system.str.startswith("specter") & table.io_floor_ms.notna()]
+    if peers.empty:
+        return []
+    lowest = peers.loc[peers.io_floor_ms.idxmin()]
+    return [f"{row.system}: TPOT {row.tpot_ms / lowest.io_floor_ms:.2f}x {lowest.system}'s I/O floor "
+            f"({lowest.io_floor_ms:.2f} ms), the lowest among the other systems"
+            for row in table[table.system.str.startswith("specter")].itertuples()]
+
+
+def markdown(table: pd.DataFrame) -> str:
+    cells = [["system", *COLUMNS.values()], ["---"] * (len(COLUMNS) + 1)]
+    for row in table.to_dict("records"):
+        cells.append([row["system"], *(cell(row.get(key)) for key in COLUMNS)])
+    return "\n".join("| " + " | ".join(line) + " |" for line in cells)
+
+
+def cell(value) -> str:
+    if isinstance(value, float):
+        return "-" if value != value else (f"{value:.1f}" if abs(value) >= 100 else f"{value:.2f}")
+    return "-" if value is None else str(value)
+
+
+def render(root: Path) -> str:
+    """Every main run under `root`, one block each (in path order)."""
+    runs = [d for d in results_dirs(root)
+            if ((json.loads((d / "run.json").read_text()).get("config") or {}).get("experiment") or {}).get("name")
+            == "main"]
+    if not runs:
+        raise ValueError(f"no main-experiment results directory under {root}")
+    head = ("Per run: medians over every measured decode; x Specter: TPOT over Specter's on the cases both decoded in "
+            "that run; MB/token: H2D bytes per committed token while decoding; floor: those bytes at the run's H2D "
+            "bandwidth; x floor: TPOT over it.\n")
+    return "\n".join([head, *(run_block(d) for d in runs)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="write the Markdown here (never over a file)")
+    args = parser.parse_args(argv)
+    try:
+        if not args.root.is_dir():
+            raise ValueError(f"{args.root} is not a directory")
+        if args.out is not None and args.out.exists():
+            raise ValueError(f"{args.out} already exists; it is never overwritten")
+        text = render(args.root)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.out is not None:
+        args.out.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
