@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from experiments import records
 from experiments.experiments import EXPERIMENTS
 from experiments.machine import busy_warning, load_note, machine_state
+from experiments.result_runs import run_config
 from experiments.run_dirs import SWEEP_FUNCTIONS, SWEPT_KEYS_VARIABLE, results_dir, swept_keys
 from experiments.settings import check_run_settings, earlier_invocations, invocation, write_run_json
 from experiments.usage import usage
@@ -125,7 +126,7 @@ def run(cfg: DictConfig) -> Path:
     if resumed and cfg.resume is True and run_complete(out_dir):
         return nothing_to_do(cfg, out_dir)
     machine = machine_state(cfg.device)  # measured once: the header, the warning and run.json show it
-    h2d_gbps = (run_bandwidth(out_dir) if resumed else None) or machine.get("h2d_gbps")  # one bandwidth per run
+    h2d_gbps = (run_config(out_dir).get("h2d_gbps") if resumed else None) or machine.get("h2d_gbps")  # one per run
     opened: list[records.RecordWriter] = []
     calls: list[dict] = []  # run.json's invocations: the earlier ones (on resume) and this process
 
@@ -149,14 +150,6 @@ def run(cfg: DictConfig) -> Path:
     if busy:
         print(busy, file=sys.stderr)
     return out_dir
-
-
-def run_bandwidth(out_dir: Path) -> float | None:
-    """The H2D bandwidth an existing run's floors use (run.json's h2d_gbps; None where it has none)."""
-    try:
-        return json.loads((out_dir / "run.json").read_text()).get("h2d_gbps")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def run_complete(out_dir: Path) -> bool:

@@ -13,7 +13,6 @@ that could not run is listed with its reason. Exit status 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pandas as pd
 
 from experiments.medians import system_medians
 from experiments.records import read_records
+from experiments.result_runs import run_config
 from experiments.summarize import results_dirs
 
 COLUMNS = {"tpot_ms": "TPOT ms", "x_specter": "x Specter", "mb_per_token": "MB/token", "io_floor_ms": "floor ms",
@@ -29,7 +29,7 @@ COLUMNS = {"tpot_ms": "TPOT ms", "x_specter": "x Specter", "mb_per_token": "MB/t
 
 def run_block(directory: Path) -> str:
     """One run's setup line, its systems' table and the peer-floor lines (Markdown)."""
-    info = json.loads((directory / "run.json").read_text())
+    info = run_config(directory)
     records = read_records(directory / "records.csv")
     table = system_medians(records)
     if table.empty:
@@ -85,8 +85,7 @@ def cell(value) -> str:
 def render(root: Path) -> str:
     """Every main run under `root`, one block each (in path order)."""
     runs = [d for d in results_dirs(root)
-            if ((json.loads((d / "run.json").read_text()).get("config") or {}).get("experiment") or {}).get("name")
-            == "main"]
+            if ((run_config(d).get("config") or {}).get("experiment") or {}).get("name") == "main"]
     if not runs:
         raise ValueError(f"no main-experiment results directory under {root}")
     head = ("Per run: medians over every measured decode; x Specter: TPOT over Specter's on the cases both decoded in "

@@ -176,3 +176,31 @@ def test_deferred_loads_start_before_the_router_wait_and_after_the_loads_ahead()
     with manager.verifying(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)})):
         manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
     assert events == ["start", "wave", "wave", "start", "ahead", "ahead", "ahead", "ahead", "start"]
+
+
+def test_token_wise_verification_stacks_its_rows_once_per_layer():
+    """One GEMV per (token, expert) pair, their rows stacked in one cat: no row write per pair."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    manager, store = make_runtime(EXPERTS, seed=3, expert_wise=False)
+    hidden, routing = torch.randn(5, HIDDEN), torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(5)])
+    weights = torch.rand(5, TOP_K).softmax(-1)
+    with manager.verifying(None):
+        manager(layer_module(0), hidden, routing, weights)  # every routed expert loads once
+        with Ops() as ops:
+            out = manager(layer_module(0), hidden, routing, weights)  # all resident: no copy at all
+    weights_of = lambda e: store.split(store.expert(0, e))  # noqa: E731
+    ref = expert_wise_moe(hidden, routing, weights, weights_of, EXPERTS, torch.nn.functional.silu)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert ops.calls["cat"] == 1 and ops.calls["copy_"] == 0 and ops.calls["index_put_"] == 0, ops.calls
