@@ -6,4 +6,7 @@ from specter.config import SpecterConfig
 
 def config_default(name: str):
     """SpecterConfig's default value of field `name`."""
-    return SpecterConfig.__dataclass_fields__[name].default
+    fields = SpecterConfig.__dataclass_fields__
+    if name not in fields:
+        raise KeyError(f"SpecterConfig has no field {name!r}")
+    return fields[name].default

@@ -146,3 +146,18 @@ def test_the_default_is_the_fastest_configuration_and_paper_is_the_papers_design
 def test_the_main_experiment_compares_the_default_with_the_papers_design():
     assert list(compose_with().systems) == ["specter", "specter_paper", "target_only"]
     assert len(known_systems()) <= 14
+
+
+def test_every_config_default_named_in_the_source_is_a_specter_config_field():
+    """Modules that read one SpecterConfig default by name (config_default("...")) name a field that exists: a
+    removed field fails here rather than on the first CUDA decode that reads it."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    named = {(path.relative_to(root).as_posix(), name)
+             for folder in ("specter", "baselines", "experiments", "benchmarks")
+             for path in (root / folder).rglob("*.py")
+             for name in re.findall(r'config_default\(\s*"([a-z_0-9]+)"', path.read_text())}
+    assert len(named) >= 5  # the scan finds the readers
+    missing = sorted((path, name) for path, name in named if name not in SpecterConfig.__dataclass_fields__)
+    assert not missing, missing

@@ -12,6 +12,7 @@ from baselines.specmoeoff.draft_model import build_draft, draft_tensors
 from baselines.specmoeoff.k_optimizer import CostModel, Window, best_k
 from baselines.specmoeoff.microbatch import generate_microbatches
 from baselines.specmoeoff.prefetch import FixedPositionPrefetch
+from specter.config import MAX_CACHE_LEN
 from specter.defaults import config_default
 from specter.errors import SpecterError
 from specter.inputs import check_batch, check_prompt, is_batch
@@ -237,7 +238,7 @@ class SpecMoEOff:
         """The draft's static KV cache when its step runs as a CUDA graph (else None: a dynamic cache)."""
         if not (self.config.cuda_graph and self.config.greedy and self.model.device.type == "cuda"):
             return None
-        return self.graphs.static_cache(None, length + self.config.k_max + 2, config_default("max_cache_len"))
+        return self.graphs.static_cache(None, length + self.config.k_max + 2, MAX_CACHE_LEN)
 
     def _loads(self) -> int:
         """Experts copied into the cache so far in this request (demand misses and prefetches)."""
