@@ -59,6 +59,11 @@ def data_dir() -> Path:
     return Path(os.environ.get("SPECTER_DATA", ROOT.parent / "shared" / "data"))
 
 
+def local_datasets() -> list[str]:
+    """The registered datasets whose local file is under `data_dir()`, in registry order."""
+    return [name for name in REGISTRY if any(f.is_file() for f in default_files(name))]
+
+
 def get_spec(name: str) -> DatasetSpec:
     if name not in REGISTRY:
         raise SpecterError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)}")

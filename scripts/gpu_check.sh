@@ -15,14 +15,17 @@
 # MODELS x MEMS (env, default "dsv2 qwen" x "high low"), NUM_PROMPTS (default 1) per dataset, REPEATS
 # (default 1), TF_CAP (Transformers' tokens per case, default 8), REPORT_ARGS (more Hydra overrides, e.g.
 # k=8 or k=auto, which reads the depth step's profile), REPORT_TIMEOUT_S (per run; 0 = none; set it below the device call's limit,
-# or a run cut by the call loses its report.tgz; a run given less than REPORT_MIN_S, default 200 s, is skipped:
-# a full-size model's setup and warm-ups take 100-170 s), resuming the result
+# or a run cut by the call loses its report.tgz; a run given less than REPORT_MIN_S, default 300 s, is skipped:
+# a full-size model's setup and warm-ups take 240 s with the table's six systems on dsv2, of which 72 s build the
+# systems and 88 s are the default Specter's first decode with its compile), resuming the result
 # directories under REPORT_DIR (default .report/, carry it back and forth: runs that the call limit cuts
 # continue next time; RESUME=force continues one whose config has changed since, e.g. a default), a summary
 # per directory in OUT_DIR. table: the table of record (report's loop): calibrated weights, MODELS default
 # "dsv2 qwen phi mixtral", SYSTEMS default specter,specter_paper,target_only,mo_sm,specmoeoff_sm,transformers,llama_cpp,
 # REPEATS default 3, resuming TABLE_DIR (default .table-h200; carry it), then `python -m experiments.table`
-# into OUT/table.md (copy the run directories to results/reference/table-h200/ and the table to the README). batch: experiment=batch on dsv2 (BATCH_SIZES,
+# into OUT/table.md (copy the run directories to results/reference/table-h200/ and the table to the README). A point
+# costs about 240 s of setup and warm-ups per call plus about 50 s per dataset and repeat (dsv2, H200): one point per
+# call, REPORT_TIMEOUT_S=560. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
 # Hydra overrides such as token_caps.specmoeoff_sm=32), resuming
 # REPORT_DIR/batch-dsv2 the same way (B=16 and 32 take minutes each: one or two sizes per call).
@@ -57,7 +60,9 @@
 # likewise row by row, each row with its commit, host and workload (SPECTER_COMMIT=<commit> names the commit
 # where the checkout has no .git, as on a device machine's copy).
 # WEIGHTS (synthetic, the default, or calibrated) picks the full-size weights of offload, report and batch.
-# Each step prints a short table and keeps going if another fails.
+# Each step prints a short table and keeps going if another fails. The datasets are read from $SPECTER_DATA, default
+# ../shared/data, else the repository's .data/ (a device machine gets only the repository: `cp -r ../shared/data
+# .data` here, carry .data); the harness steps stop at once when none of their datasets is local.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR [tests|profile|kernel|offload ...]}"; shift
@@ -66,16 +71,24 @@ mkdir -p "$OUT"
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "error: gpu_check.sh needs a CUDA GPU" >&2; exit 2
 fi
+if [ -z "${SPECTER_DATA:-}" ] && [ ! -d ../shared/data ] && [ -d .data ]; then export SPECTER_DATA="$PWD/.data"; fi
 LLAMA_SITE="$PWD/.llamacpp-site"  # the llamacpp step's CUDA build (git-ignored, kept while the machine is warm)
 if [ -f "$LLAMA_SITE/llama_cpp/__init__.py" ]; then  # later steps and calls run llama.cpp from it
   export PYTHONPATH="$LLAMA_SITE:${PYTHONPATH:-}" SPECTER_LLAMACPP_SDIST=$(ls .llamacpp/llama_cpp_python-*-stripped.tar.gz | head -1)
 fi
+local_data() {  # exit status 0 when some dataset of the harness's defaults has its local file
+  python3 -c "import sys; from experiments.datasets import local_datasets; sys.exit(0 if local_datasets() else 1)"
+}
 main_grid() {  # MODELS WEIGHTS REPEATS ROOT SYSTEMS: the main experiment per model and MEMS, each resumable under ROOT
   local rc=0 model mem dir resume
+  if ! local_data; then
+    echo "error: no dataset file under ${SPECTER_DATA:-../shared/data} (on a device machine: cp -r ../shared/data .data here, carry .data)"
+    return 1
+  fi
   for model in $1; do for mem in ${MEMS:-high low}; do
     dir="$4/main-$model-$mem"; resume=false; [ -d "$dir" ] && resume="${RESUME:-true}"
-    if [ "${REPORT_TIMEOUT_S:-0}" -gt 0 ] && [ "${REPORT_TIMEOUT_S}" -lt "${REPORT_MIN_S:-200}" ]; then
-      echo "skipped main-$model-$mem: REPORT_TIMEOUT_S=$REPORT_TIMEOUT_S is below REPORT_MIN_S=${REPORT_MIN_S:-200} (setup alone takes 100-170 s)"
+    if [ "${REPORT_TIMEOUT_S:-0}" -gt 0 ] && [ "${REPORT_TIMEOUT_S}" -lt "${REPORT_MIN_S:-300}" ]; then
+      echo "skipped main-$model-$mem: REPORT_TIMEOUT_S=$REPORT_TIMEOUT_S is below REPORT_MIN_S=${REPORT_MIN_S:-300} (setup and warm-ups alone take about 240 s)"
       rc=1; continue
     fi
     timeout "${REPORT_TIMEOUT_S:-0}" python3 -m experiments.main model="$model" mem="$mem" model.weights="$2" dataset=all \

@@ -439,3 +439,11 @@ def test_prepare_runs_as_a_script(tmp_path):
                            "--only", "gsm8k"], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr
     assert "refusing to overwrite" in done.stderr
+
+
+def test_local_datasets_lists_those_whose_file_is_under_the_data_dir(data, empty_data, monkeypatch):
+    assert ds.local_datasets() == []  # empty_data's SPECTER_DATA is set last
+    monkeypatch.setenv("SPECTER_DATA", str(data))
+    assert ds.local_datasets() == list(ds.REGISTRY)
+    (data / "c4" / "c4-validation.00000-of-00008.json.gz").unlink()
+    assert "c4" not in ds.local_datasets() and "gsm8k" in ds.local_datasets()
