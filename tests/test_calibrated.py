@@ -16,6 +16,7 @@ from experiments.locality import calibration_error, locality_curves, reference_c
 from experiments.routing_trace import committed_routing, topk_recall
 from specter.errors import SpecterError
 from specter.models.calibrated import (
+    quiet_writer,
     LAYOUT_SEED,
     acceptance_direction,
     orthonormal_router_rows,
@@ -277,3 +278,27 @@ def test_a_token_pick_makes_the_second_ranked_expert_the_more_reused(token_pick)
     traces = committed_routing(model, prompt, greedy(model, prompt, 96))
     first, second = reuse_by_rank(traces)
     assert (second > first + 0.2) if token_pick else (first > second + 0.1), (first, second)
+
+
+@pytest.mark.parametrize("name, quiet", [
+    ("model.layers.0.self_attn.o_proj.weight", True), ("model.layers.3.mlp.shared_expert.down_proj.weight", True),
+    ("model.layers.3.mlp.shared_experts.down_proj.weight", True), ("model.layers.0.mlp.down_proj.weight", True),
+    ("model.layers.0.self_attn.o_proj.bias", True), ("model.layers.3.mlp.experts.down_proj", False),
+    ("model.layers.3.mlp.experts.7.down_proj.weight", False), ("model.layers.3.mlp.gate.weight", False)])
+def test_quiet_writers_are_the_full_precision_writers_no_draft_quantizes(name, quiet):
+    assert quiet_writer(name) == quiet
+
+
+def test_in_bfloat16_only_routed_experts_write_on_the_acceptance_coordinates():
+    """Attention (and shared or dense MLPs) write exact zeros on g's coordinates, so no 16-bit rounding of
+    theirs lands on g; the routed experts, which the draft quantizes, still write there (off g itself)."""
+    model = specter.load_model("tiny-mixtral", weights="calibrated", dtype=torch.bfloat16, device="cpu")
+    g = acceptance_direction(model.hf.config.hidden_size, seed=0)
+    own = g.nonzero().flatten()
+    params = dict(model.hf.named_parameters())
+    quiet = [n for n in params if quiet_writer(n)]
+    assert len(quiet) >= model.hf.config.num_hidden_layers
+    for name in quiet:
+        assert not params[name][own].any(), name
+    routed = [p for n, p in params.items() if n.endswith("experts.down_proj")]  # [E, H, I]
+    assert routed and all(p[:, own].abs().amax() > 0 for p in routed)

@@ -10,7 +10,9 @@ and LayerNorm treat them alike):
   row of token v reads the vector of its predecessor on a fixed random cycle through the vocabulary, so
   greedy decoding walks that cycle (no short loops) with a wide top-1 margin;
 - one *acceptance direction* g that no full-precision tensor writes: embeddings, attention and every
-  expert's down projection are orthogonal to it. The INT4 draft's down-projection error is not, and the
+  expert's down projection are orthogonal to it, and the writers no draft quantizes (attention, shared and
+  dense MLPs) write exact zeros on g's coordinates, so their 16-bit rounding cannot land on g. The INT4
+  draft's down-projection error is not orthogonal to g, and the
   LM head couples g to each token's runner-up (its successor's successor), so the draft disagrees with
   the target only through its quantization error, at a rate set by `accept_gain`.
 Routers, attention and experts are otherwise the HF model's seeded random weights.
@@ -229,6 +231,19 @@ def remove_subspace(weight: torch.Tensor, basis: torch.Tensor, dim: int) -> torc
     return moved.movedim(-1, dim).to(weight.dtype)
 
 
+def zero_coordinates(weight: torch.Tensor, coords: torch.Tensor, dim: int) -> torch.Tensor:
+    """`weight` with its entries at output coordinates `coords` (over dimension `dim`) set to zero."""
+    out = weight.clone()
+    out.index_fill_(dim, coords.to(weight.device), 0)
+    return out
+
+
+def quiet_writer(name: str) -> bool:
+    """A full-precision residual writer that no draft quantizes (attention, shared and dense MLPs): it writes
+    nothing on g's coordinates, so 16-bit rounding there (of its weights, its outputs, the stream) is zero."""
+    return name.endswith(RESIDUAL_WRITERS) and ".experts." not in name
+
+
 def writes_cleared(layout: Layout, profile: RoutingProfile) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """`clear(weight, dim)`: a residual writer's weight with no full-precision write along g (and, with
     `clear_routing`, none into the routing subspace); `dim` is the weight's output (hidden) dimension."""
@@ -285,8 +300,11 @@ def calibrate(hf_model: nn.Module, profile: RoutingProfile, special: set[int], n
             rows = picked_rows[index] * math.sqrt(layout.routing.shape[1] / hidden)
         w.copy_((rows @ layout.routing.T).to(w.dtype))
     clear = writes_cleared(layout, profile)
+    own = layout.g.nonzero().flatten()  # g's coordinates
     for name, param in hf_model.named_parameters():  # every tensor that writes into the residual stream
-        if name.endswith(RESIDUAL_WRITERS):  # Linear weight [H, in] or bias [H]
+        if quiet_writer(name):  # Linear weight [H, in] or bias [H]
+            param.copy_(zero_coordinates(clear(param, 0), own, 0))
+        elif name.endswith(RESIDUAL_WRITERS):
             param.copy_(clear(param, 0))
         elif name.endswith("down_proj"):  # routed experts [E, H, I]
             param.copy_(clear(param, 1))
