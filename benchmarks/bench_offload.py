@@ -4,7 +4,7 @@
     python benchmarks/bench_offload.py --models dsv2 --mem low --weights calibrated --quick --variants prefetch=false
 
 Per model it builds full-size seeded weights (`--weights synthetic`, the default, or `calibrated`) in
-load_model's default dtype (bf16; calibrated weights fp16) or `--dtype`, cuts the built-in prompts to 16
+load_model's default dtype (bf16) or `--dtype`, cuts the built-in prompts to 16
 tokens, and decodes each prompt with: target-only with every expert resident (the token reference);
 target-only on demand through the mem preset's slots; `specter_paper` (SpecterConfig.paper(): no
 draft_compile, draft-ahead, residual transfer or pooled slots); `specter` (SpecterConfig's defaults); one
@@ -375,8 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weights", choices=("synthetic", "calibrated"), default="synthetic",
                         help="seeded random weights, or calibrated ones (real routing locality and acceptance)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=None,
-                        help="default: load_model's (bfloat16, what the real checkpoints store; calibrated "
-                             "weights float16)")
+                        help="default: load_model's (bfloat16, what the real checkpoints store)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     if args.repeats < 1:

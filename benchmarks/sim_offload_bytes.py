@@ -6,7 +6,7 @@
 It builds `--model` (dsv2: DeepSeek-V2-Lite, 64 routed experts top-6; qwen: Qwen1.5-MoE, 60 top-4) at full
 width with only `--moe-layers` MoE layers on the CPU: `--weights synthetic` (random, a 4096-token
 vocabulary, bf16 by default) or `calibrated` (the real checkpoint's routing locality and acceptance,
-specter/models/calibrated.py; float16 as on the GPU, the full vocabulary). It decodes the built-in prompts with Specter
+specter/models/calibrated.py; bf16 as on the GPU, the full vocabulary). It decodes the built-in prompts with Specter
 and with each `--variants` entry (SpecterConfig options over the defaults, `paper` for the paper's design; a
 variant may set k). The planner's cost model is
 frozen at the H200's draft step time per MoE layer (scaled to the layers built) and its copy bandwidth
@@ -148,8 +148,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="default: bfloat16 for synthetic weights (half float32's memory: 4 dsv2 MoE layers "
-                             "need about 12 GB in float32), float16 for calibrated ones (the GPU's dtype)")
+                        help="default: bfloat16, the GPU's dtype (half float32's memory: 4 dsv2 MoE layers "
+                             "need about 12 GB in float32)")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="SpecterConfig options over the defaults, e.g. pooled_slots=0 or paper,prefetch=false")
     parser.add_argument("--mo-sm", action="store_true", help="also MO-SM's PCIe bytes per token (same memory)")
@@ -163,7 +163,7 @@ def main() -> None:
     if args.k < 1 or args.slots < 1:
         sys.exit("error: --k and --slots must be at least 1")
     t0 = time.time()
-    dtype = args.dtype or ("float16" if args.weights == "calibrated" else "bfloat16")
+    dtype = args.dtype or "bfloat16"
     model = build(args.model, args.weights, args.moe_layers, getattr(torch, dtype))
     prompts = [torch.tensor([model.tokenizer(p)["input_ids"][:16]]) for p in PROMPTS[:args.prompts]]
     print(f"built in {time.time() - t0:.0f} s; {args.model} ({args.weights}), {args.moe_layers} MoE layers, K={args.k}, {args.slots} slots, "

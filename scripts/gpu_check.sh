@@ -52,8 +52,9 @@
 # AHEAD_VARIANTS (default: Specter without draft-ahead, draft_ahead=false), each row as measured, with the host's
 # time in draft-ahead's launch and the windows drafted ahead and from the prompt (OUT/ahead/offload.csv); AHEAD_ARGS
 # adds bench_offload flags, e.g. --interleave (the systems take turns round by round; each variant's x Specter printed).
-# calibration: each of CAL_MODELS (default "phi mixtral") calibrated at its real depth in fp16, the registry's
-# profile as committed: routing against the real row, Specter's acceptance with RTN and GPTQ drafts
+# calibration: each of CAL_MODELS (default "dsv2 qwen phi mixtral") calibrated at its real depth in CAL_DTYPE (default
+# bfloat16, the default on CUDA), the registry's profile as committed: routing against the real row, Specter's
+# acceptance and agreement with the greedy target with RTN and GPTQ drafts
 # (fit_calibration.py --check-only --check-gptq, CAL_PROMPTS per dataset, default 1; phi about 250 s, mixtral 300 s:
 # one model per device call).
 # The log is written line by line, so a run cut by the call limit keeps what it printed; the benchmarks' CSVs
@@ -138,9 +139,9 @@ for step in "${STEPS[@]}"; do
              --variants ${AHEAD_VARIANTS:-draft_ahead=false} 2>&1 | grep --line-buffered -v -i -E "warn|max_cache_len" | tee "$OUT/ahead.log" \
              | grep -E "^   [a-z_=,0-9-]+: (interleaved, )?[0-9]+ s"; [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     calibration) rc=0  # each model's committed profile at its real depth: routing, RTN and GPTQ acceptance
-              for model in ${CAL_MODELS:-phi mixtral}; do
-                python3 scripts/fit_calibration.py --models "$model" --layers 0 --device cuda --dtype float16 \
-                  --check-only --check-dtype float16 --check-gptq --prompts "${CAL_PROMPTS:-1}" \
+              for model in ${CAL_MODELS:-dsv2 qwen phi mixtral}; do
+                python3 scripts/fit_calibration.py --models "$model" --layers 0 --device cuda --dtype "${CAL_DTYPE:-bfloat16}" \
+                  --check-only --check-dtype "${CAL_DTYPE:-bfloat16}" --check-gptq --prompts "${CAL_PROMPTS:-1}" \
                   --out "$OUT/calibration-$model.json" 2>&1 | grep --line-buffered -v -E "^\[transformers\]" \
                   | tee "$OUT/calibration-$model.log" | tail -5; rc=$((rc | PIPESTATUS[0]))
               done ;;

@@ -26,24 +26,15 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-CHECKPOINT_DTYPE = torch.bfloat16  # what all four real checkpoints store; synthetic builds on CUDA use it too
-CALIBRATED_DTYPE = torch.float16  # the dtype the calibrated layout is fitted and checked in (see default_dtype)
+CHECKPOINT_DTYPE = torch.bfloat16  # what all four real checkpoints store; seeded builds on CUDA use it too
 TOKENIZERS = ("auto", "byte")
 
 
-def default_dtype(device: torch.device, stored: torch.dtype | None = None, calibrated: bool = False) -> torch.dtype:
-    """float32 on the CPU; on CUDA the checkpoint's stored dtype (`stored`), else bfloat16, so synthetic
-    and real runs compare; calibrated builds float16.
-
-    A calibrated build's draft departs from its target only along one direction g, which full-precision
-    writers leave out; rounding the residual stream to bfloat16's 8 significant bits puts path-dependent
-    noise on g that the LM head's gain magnifies (full-size qwen on the H200 in bfloat16: acceptance
-    0.89 and 24% agreement with the greedy target, against 0.97 and 100% in float16). Asking for bfloat16
-    still builds it."""
+def default_dtype(device: torch.device, stored: torch.dtype | None = None) -> torch.dtype:
+    """float32 on the CPU; on CUDA the checkpoint's stored dtype (`stored`), else bfloat16, so seeded
+    (synthetic and calibrated) and real runs compare."""
     if torch.device(device).type != "cuda":
         return torch.float32
-    if calibrated:
-        return CALIBRATED_DTYPE
     return stored if stored in (torch.bfloat16, torch.float16, torch.float32) else CHECKPOINT_DTYPE
 
 
@@ -267,7 +258,7 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
         if num_layers is not None and not synthetic:
             raise SpecterError("num_layers rebuilds a registered architecture: it needs synthetic or calibrated weights")
         if synthetic:
-            words, dtype = ByteTokenizer(spec.hf_config["vocab_size"]), dtype or default_dtype(device, calibrated=calibrated)
+            words, dtype = ByteTokenizer(spec.hf_config["vocab_size"]), dtype or default_dtype(device)
             if calibrated:
                 routing_profile(spec)  # fail before building
             check_build_memory(spec, hf_config(spec), device, dtype, experts_on_host)
