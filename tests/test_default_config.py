@@ -86,12 +86,14 @@ def test_mechanisms_that_cannot_apply_switch_themselves_off_with_the_reason():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_whole_default_equals_the_resident_target_on_a_calibrated_full_width_model_on_cuda():
+@pytest.mark.parametrize("dtype", [None, torch.float16], ids=["default-bf16", "fp16"])
+def test_the_whole_default_equals_the_resident_target_on_a_calibrated_full_width_model_on_cuda(dtype):
     """Every mechanism on (CUDA graph, compile, draft-ahead, residual transfer with grouped copies, pooled slots)
-    on calibrated dsv2 at full width with 4 layers, fp16, 4 slots per layer (2 pooled): the tokens of greedy
-    target-only decoding with every expert resident (HF's forward)."""
+    on calibrated dsv2 at full width with 4 layers, in the default dtype (bf16) and fp16, 4 slots per layer
+    (2 pooled): the tokens of greedy target-only decoding with every expert resident (HF's forward)."""
     from baselines.target_only import TargetOnly
-    model = specter.load_model("dsv2", device="cuda", dtype=torch.float16, weights="calibrated", num_layers=4)
+    model = specter.load_model("dsv2", device="cuda", dtype=dtype, weights="calibrated", num_layers=4)
+    assert model.dtype == (dtype or torch.bfloat16)
     ids = prompt("Natalia sold clips").cuda()
     reference = TargetOnly(model).generate(ids, 64).token_ids  # before the experts move to the host
     engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=4))
