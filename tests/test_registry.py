@@ -62,6 +62,22 @@ def test_load_from_checkpoint_directory(tmp_path):
     assert out.token_ids == hf_greedy("tiny-mixtral", prompt(), 12)
 
 
+@pytest.mark.parametrize("weights", ["synthetic", "calibrated"])
+def test_seeded_builds_for_cuda_default_to_bfloat16(weights, monkeypatch):
+    """What a calibrated or synthetic build for CUDA is built in, read where the build checks its memory (a CPU
+    machine stops there)."""
+    from specter.models import loading
+    seen = []
+
+    def stop(spec, config, device, dtype, experts_on_host):
+        seen.append(dtype)
+        raise SpecterError("stop before building")
+    monkeypatch.setattr(loading, "check_build_memory", stop)
+    with pytest.raises(SpecterError, match="stop before building"):
+        specter.load_model("dsv2", device="cuda", weights=weights, num_layers=2)
+    assert seen == [torch.bfloat16]
+
+
 def test_default_dtype_follows_the_checkpoint_on_cuda_and_is_float32_on_cpu():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert default_dtype(cuda) == torch.bfloat16  # seeded builds, calibrated too: what the real checkpoints store
