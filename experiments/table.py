@@ -2,17 +2,21 @@
 
     python -m experiments.table results/reference/table-h200              # Markdown on stdout
     python -m experiments.table ROOT --out table.md                       # never over an existing file
+    python -m experiments.table --readme README.md                        # regenerate the README's table
 
 For every main-experiment directory under ROOT (records.csv and run.json), one block: its setup line (model,
 weights, memory, K, cases, datasets, GPU, commit, the run's H2D bandwidth), then per system over all its
 measured cases the median TPOT, its TPOT over Specter's on the cases both ran in one process, decoding's H2D
 MB per committed token, its I/O floor (those bytes at the run's bandwidth) and TPOT over it, and how many
 cases gave the resident target's tokens; under it, each Specter's TPOT over the lowest peer floor. A system
-that could not run is listed with its reason. Exit status 2 on bad input.
+that could not run is listed with its reason. `--readme FILE` rewrites the block between FILE's
+`<!-- results-table: ROOT -->` and `<!-- /results-table -->` lines with ROOT's table (ROOT relative to FILE's
+folder). Exit status 2 on bad input.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from experiments.records import read_records
 from experiments.result_runs import run_config
 from experiments.summarize import results_dirs
 
+README_BLOCK = re.compile(r"(<!-- results-table: (?P<root>\S+) -->\n)(?P<table>.*?)(<!-- /results-table -->)", re.S)
 COLUMNS = {"tpot_ms": "TPOT ms", "x_specter": "x Specter", "mb_per_token": "MB/token", "io_floor_ms": "floor ms",
            "x_floor": "x floor", "tokens": "target's tokens"}
 
@@ -94,12 +99,29 @@ def render(root: Path) -> str:
     return "\n".join([head, *(run_block(d) for d in runs)])
 
 
+def readme_with_table(text: str, base: Path) -> str:
+    """`text` with its results-table block rendered afresh from the block's root (relative to `base`)."""
+    found = README_BLOCK.search(text)
+    if found is None:
+        raise ValueError("no '<!-- results-table: ROOT -->' ... '<!-- /results-table -->' block")
+    root = base / found["root"]
+    if not root.is_dir():
+        raise ValueError(f"the results-table block names {found['root']}, which is not a directory")
+    return text[:found.start("table")] + render(root) + "\n" + text[found.end("table"):]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path)
+    parser.add_argument("root", type=Path, nargs="?")
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown here (never over a file)")
+    parser.add_argument("--readme", type=Path, default=None, help="rewrite this file's results-table block")
     args = parser.parse_args(argv)
     try:
+        if args.readme is not None:
+            args.readme.write_text(readme_with_table(args.readme.read_text(), args.readme.parent))
+            return 0
+        if args.root is None:
+            raise ValueError("give a results root (or --readme FILE)")
         if not args.root.is_dir():
             raise ValueError(f"{args.root} is not a directory")
         if args.out is not None and args.out.exists():

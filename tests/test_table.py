@@ -51,3 +51,29 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(tmp_path / "t.md")]) == 2 and (tmp_path / "t.md").read_text() == "kept"
     err = capsys.readouterr().err
     assert err.count("error:") == 3 and err.count("\n") == 3
+
+
+def test_readme_block_is_regenerated_in_place_and_bad_blocks_are_one_line(tmp_path, capsys):
+    write_run(tmp_path / "runs" / "dsv2-low", {"specter": [(10.0, 5e8, "yes")], "mo_sm": [(40.0, 4e8, "yes")]})
+    readme = tmp_path / "README.md"
+    readme.write_text("# T\n\n<!-- results-table: runs -->\nstale\n<!-- /results-table -->\n\nafter\n")
+    assert main(["--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "stale" not in text and "| specter | 10.00 | 1.00 |" in text and text.endswith("-->\n\nafter\n")
+    assert main(["--readme", str(readme)]) == 0 and readme.read_text() == text  # idempotent
+    (tmp_path / "bad.md").write_text("no block\n")
+    (tmp_path / "gone.md").write_text("<!-- results-table: nowhere -->\n<!-- /results-table -->\n")
+    assert main(["--readme", str(tmp_path / "bad.md")]) == 2 and main(["--readme", str(tmp_path / "gone.md")]) == 2
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 3 and (tmp_path / "bad.md").read_text() == "no block\n"
+
+
+def test_the_readme_table_is_the_committed_table_of_record():
+    """README.md's results block equals what the committed run directories render (regenerate with --readme)."""
+    from pathlib import Path
+
+    from experiments.table import readme_with_table
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text()
+    assert readme_with_table(text, root) == text
