@@ -4,7 +4,20 @@ import torch
 
 from specter.quant.gptq import gptq_quantize
 from specter.quant.int4 import GROUP_SIZE, quantize_to_codes, symmetric_scales, unpack_codes
-from specter.quant.residual import bits_of, decode, encode, keys_to_bits, mean_bits, order_keys, truncated_bits
+from specter.quant.residual import (
+    MARGINS,
+    RAW_CLASS,
+    bits_of,
+    choose_classes,
+    class_margins,
+    decode,
+    encode,
+    intervals,
+    keys_to_bits,
+    mean_bits,
+    order_keys,
+    truncated_bits,
+)
 from tests.scripts import load_script
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -121,3 +134,29 @@ def test_bit_length_is_exact_for_every_span():
     from specter.quant.residual import bit_length
     spans = torch.arange(1 << 17, dtype=torch.int32)
     assert bit_length(spans).tolist() == [int(s).bit_length() for s in range(1 << 17)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_classes_tried_on_open_groups_only_equal_every_class_tried_on_every_group(dtype):
+    """choose_classes tries a wider class only on the groups the narrower ones did not hold; the result is the
+    definition's: the smallest class that holds every weight of the group, and its intervals."""
+    torch.manual_seed(3)
+    w = (torch.randn(2, 8, 4 * GROUP_SIZE) * 0.02).to(dtype)
+    w[0, 1, :3] = float("nan")  # a group no class holds
+    codes = quantize_to_codes(w, symmetric_scales(w))
+    for rows, step in ((slice(2, 4), 1), (slice(4, 6), 2)):  # codes one and two off in some groups: wider classes
+        part = codes[1, rows]
+        codes[1, rows] = torch.where(torch.rand(part.shape) < 0.03, (part.int() + step).clamp(0, 15), part.int()).to(
+            torch.uint8)
+    scales = symmetric_scales(w).to(dtype)
+    keys = order_keys(bits_of(w))
+    chosen, low, width = choose_classes(keys, codes, scales, dtype, GROUP_SIZE)
+    expected = torch.full(scales.shape, RAW_CLASS, dtype=torch.uint8)
+    for index in reversed(range(len(MARGINS))):  # every class on every group, the narrowest holding one wins
+        lows, widths = intervals(codes, scales, dtype, GROUP_SIZE, torch.full(scales.shape, MARGINS[index]))
+        inside = (keys - lows >= 0) & (keys - lows < (1 << widths.to(torch.int64)))
+        expected[inside.unflatten(-1, (-1, GROUP_SIZE)).all(-1)] = index
+    assert torch.equal(chosen, expected) and set(expected.unique().tolist()) >= {0, 1, 2, RAW_CLASS}
+    held = (chosen != RAW_CLASS).repeat_interleave(GROUP_SIZE, dim=-1)
+    lows, widths = intervals(codes, scales, dtype, GROUP_SIZE, class_margins(chosen))
+    assert torch.equal(low[held], lows[held]) and torch.equal(width[held], widths[held])

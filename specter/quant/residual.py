@@ -146,16 +146,28 @@ def layout(width: torch.Tensor, raw: torch.Tensor, group_size: int) -> tuple[tor
 
 
 def choose_classes(keys: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                   group_size: int) -> torch.Tensor:
-    """Each group's smallest margin class whose intervals hold all its weights (else RAW_CLASS)."""
-    chosen = torch.full(scales.shape, RAW_CLASS, dtype=torch.uint8, device=scales.device)
-    for index in reversed(range(len(MARGINS))):
-        margin = torch.full(scales.shape, MARGINS[index], device=scales.device)
-        low, width = intervals(codes, scales, dtype, group_size, margin)
-        residual = keys - low
-        inside = (residual >= 0) & (residual < (1 << width.to(torch.int64)))  # [..., out, in]
-        chosen[inside.unflatten(-1, (-1, group_size)).all(-1)] = index
-    return chosen
+                   group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's smallest margin class whose intervals hold all its weights (else RAW_CLASS), with every
+    weight's interval (lowest key, width) in that class (0, 0 in a raw group). Each class is tried only on
+    the groups no narrower class held, so a tensor whose groups nearly all take the first class (RTN codes)
+    costs one pass of `intervals`."""
+    keys, codes = keys.reshape(-1, group_size), codes.reshape(-1, group_size)  # [N, G]: one group per row
+    group_scales = scales.reshape(-1, 1)  # [N, 1]
+    chosen = torch.full((keys.shape[0],), RAW_CLASS, dtype=torch.uint8, device=scales.device)
+    low, width = torch.zeros_like(keys), torch.zeros_like(keys)
+    todo = None  # the groups still open, [n]; None: all of them
+    for index, margin in enumerate(MARGINS):
+        rows = slice(None) if todo is None else todo
+        margins = torch.full((keys[rows].shape[0], 1), margin, device=scales.device)
+        open_low, open_width = intervals(codes[rows], group_scales[rows], dtype, group_size, margins)  # [n, G]
+        residual = keys[rows] - open_low
+        fits = ((residual >= 0) & (residual < (1 << open_width.to(torch.int64)))).all(-1)  # [n]
+        held = fits.nonzero().squeeze(-1) if todo is None else todo[fits]
+        chosen[held], low[held], width[held] = index, open_low[fits], open_width[fits]
+        todo = (~fits).nonzero().squeeze(-1) if todo is None else todo[~fits]
+        if todo.numel() == 0:
+            break
+    return chosen.view(scales.shape), low.view(scales.shape[:-1] + (-1,)), width.view(scales.shape[:-1] + (-1,))
 
 
 def encode(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> ResidualTensor:
@@ -163,9 +175,8 @@ def encode(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     [..., out, in/g]."""
     bits = bits_of(weight)
     keys = order_keys(bits)
-    margin_class = choose_classes(keys, codes, scales, weight.dtype, group_size)
+    margin_class, low, width = choose_classes(keys, codes, scales, weight.dtype, group_size)
     raw = margin_class == RAW_CLASS
-    low, width = intervals(codes, scales, weight.dtype, group_size, class_margins(margin_class))
     value = torch.where(raw.repeat_interleave(group_size, dim=-1), bits, keys - low).to(torch.int64)
     word_start, offsets, total = layout(width, raw, group_size)
     words = torch.zeros(total + 1, dtype=torch.int64, device=weight.device)  # a spare word: values spill into the next
