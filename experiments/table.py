@@ -57,9 +57,9 @@ def setup_line(info: dict, records: pd.DataFrame) -> str:
     ok = records[records.status == "ok"]
     ks = ", ".join(sorted({str(k) for k in ok.get("k", [])})) or "-"
     datasets = ", ".join(dict.fromkeys(ok.dataset.astype(str))) if "dataset" in ok else "-"
-    gbps = info.get("h2d_gbps")
+    gbps, repeats = info.get("h2d_gbps"), config.get("repeats")
     return (f"{model.get('label') or model.get('name')} ({model.get('weights')}), mem={mem.get('name')}, K={ks}: "
-            f"{len(ok)} decodes ({datasets}; {config.get('repeats')} repeats), {info.get('gpu') or 'CPU'}, "
+            f"{len(ok)} decodes ({datasets}; {repeats} repeat{'' if repeats == 1 else 's'}), {info.get('gpu') or 'CPU'}, "
             f"commit {str(info.get('git_commit'))[:7]}, H2D {f'{gbps} GB/s' if gbps else 'not measured (no GPU)'}")
 
 

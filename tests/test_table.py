@@ -31,7 +31,7 @@ def test_each_run_is_one_block_with_its_own_ratios_and_floors(tmp_path, capsys):
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     low, high = out.split("### ")[1:]
-    assert low.startswith("dsv2 (calibrated), mem=low, K=32: 7 decodes (gsm8k; 1 repeats), NVIDIA H200, commit "
+    assert low.startswith("dsv2 (calibrated), mem=low, K=32: 7 decodes (gsm8k; 1 repeat), NVIDIA H200, commit "
                           "abcdef1, H2D 50.0 GB/s")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in low.splitlines()
             if line.startswith("| ") and "---" not in line and "system" not in line}
