@@ -89,3 +89,41 @@ def test_coded_slots_on_cuda_give_the_same_tokens_with_fewer_bytes(name):
     plain = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=3, k=4)).generate(ids, NEW)
     assert coded.token_ids == plain.token_ids == resident.token_ids, name
     assert coded.stats["blob_hits"] > 0 and coded.stats["h2d_bytes"] < plain.stats["h2d_bytes"]
+
+
+def test_a_held_row_is_overwritten_only_after_its_last_decode_and_read_only_after_its_copy(monkeypatch):
+    """DeviceStreams on the CUDA path (faked): a present blob is decoded without a copy, after the copy that
+    wrote its row; a copy into a row waits for the last decode that read it; a pending group reading a row is
+    launched before a copy overwrites that row."""
+    from specter.offload import streams as streams_module
+    from specter.offload.decode_groups import DecodeGroup
+    from specter.offload.stream_waits import StreamWaits
+    from tests.scripts import load_script
+
+    bench = load_script("bench_host_path")
+    fake, waited = bench.FakeCuda(), []
+    monkeypatch.setattr(bench.FakeStream, "wait_event", lambda stream, event: waited.append((stream.name, event)))
+    monkeypatch.setattr(streams_module, "STAGING_BYTES", 4 * 16)
+    monkeypatch.setattr(StreamWaits, "wait", lambda self, stream, event: event is None or stream.wait_event(event))
+    blob_a, blob_b, dst = torch.arange(8, dtype=torch.int32), torch.arange(8, 16, dtype=torch.int32), torch.empty(8)
+    with fake.installed():
+        streams = fake.device_streams()
+
+        def load(blob, held, group=None):
+            before, copies = len(waited), len(streams.log.copies)
+            ready = streams.copy_decoded(dst, blob, lambda staged, out: None, 16, held=held, group=group, member=0)
+            return ready, waited[before:], len(streams.log.copies) - copies
+
+        first, waits, copies = load(blob_a, HeldRow(1, False, 4))
+        filled = streams.staging.filled[1]
+        assert copies == 1 and ("decode", filled) in waits and torch.equal(streams.staging.view(1, 8), blob_a)
+        second, waits, copies = load(blob_a, HeldRow(1, True, 4))
+        assert copies == 0 and ("decode", filled) in waits and not any(name == "copy" for name, _ in waits)
+        third, waits, copies = load(blob_b, HeldRow(1, False, 4))
+        assert copies == 1 and ("copy", second) in waits and torch.equal(streams.staging.view(1, 8), blob_b)
+        launched = []
+        group = DecodeGroup(0, 8, lambda staging, items: launched.append(len(items)))
+        load(blob_a, HeldRow(2, False, 4), group)
+        assert launched == [] and streams.staging.fits(16, 4)
+        load(blob_b, HeldRow(2, False, 4), group)  # overwrites a row the pending group reads: launched first
+        assert launched == [1]
