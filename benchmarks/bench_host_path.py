@@ -128,8 +128,7 @@ class HostPathOptions:
     loads per decode launch (`group`), a decode group's copies issued together (`group_copies`), pooled_slots
     (`pooled`), resident experts per layer (`slots`), the shared spare rows (`spare_rows`), and the residual
     staging rows (`staging_rows`: as many as STAGING_BYTES holds of dsv2's longest calibrated blob, about 12 MB;
-    the runtime caps a decode group there), and residual-coded slots (`blob_rows` per layer: staging rows that
-    keep each layer's blobs; 0: none)."""
+    the runtime caps a decode group there)."""
 
     layers: int = 26
     experts: int = 64
@@ -142,7 +141,6 @@ class HostPathOptions:
     group_copies: bool = True
     pooled: int = 2  # pooled_slots: slots of each layer moved to the spare rows, lent to the layer verified
     staging_rows: int = 10
-    blob_rows: int = 0
 
     @property
     def verify_wave(self) -> int:
@@ -185,7 +183,7 @@ def build(options: HostPathOptions, fake: FakeCuda) -> ResidencyManager:
     pooled = options.pooled  # pooled_slots: as the runtime moves them
     cache = ExpertCache(store, options.slots - pooled, torch.device("cpu"), fake.device_streams(), LRUPolicy(),
                         options.spare_rows + pooled * options.layers, residuals=FakeResiduals(options, fake.calls),
-                        decode_group=options.group, spare_slots=pooled > 0, blob_rows=options.blob_rows)
+                        decode_group=options.group, spare_slots=pooled > 0)
     cache.streams.group_copies = options.group_copies
     verify = VerifyOptions(wave=options.verify_wave)
     manager = ResidencyManager(cache, RoutingCounts(), verify, MoEWorkspace())
@@ -245,16 +243,14 @@ def measure(options: HostPathOptions, work: list[tuple], repeats: int = 3) -> di
             seconds = verify(manager, work, options)
             if best is None or seconds < best[0]:
                 best = (seconds, fake.counts(), manager.cache.counters.loads, manager.host_load_ms,
-                        manager.host_wave_ms, manager.cache.streams.stats()["h2d_copy_calls"],
-                        manager.cache.counters.blob_hits)
-    seconds, counts, loads, load_ms, wave_ms, copies, blob_hits = best
+                        manager.host_wave_ms, manager.cache.streams.stats()["h2d_copy_calls"])
+    seconds, counts, loads, load_ms, wave_ms, copies = best
     layers = len(work) * options.layers
     waves, decodes = counts["wave"], counts["decode_launch"]
     calls = {"records": counts["record"], "queries": counts["query"], "waits": counts["wait"],
              "stream_switches": counts["set_stream"], "copies": copies, "launches": 2 * waves + decodes,
              "uploads": 2 * (waves + decodes)}
     return {"us_per_layer": seconds * 1e6 / layers, "loads_per_layer": loads / layers,
-            "blob_hits_per_layer": blob_hits / layers,
             "waves_per_layer": waves / layers, "decode_launches_per_layer": decodes / layers,
             "us_per_load": load_ms * 1e3 / max(loads, 1), "us_per_wave": wave_ms * 1e3 / max(waves, 1),
             "cuda_calls_per_layer": sum(calls.values()) / layers,

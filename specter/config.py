@@ -41,9 +41,6 @@ class SpecterConfig:
       weights, and a decode group's blob copies are issued together.
     pooled_slots: N of each MoE layer's slots join the shared spare rows, lent to the layer being verified,
       which then verifies in waves of every slot it holds (fewer, wider waves in the same memory).
-    residual_slots: with residual transfer, the memory of N of each MoE layer's own slots keeps residual blobs
-      on the device instead (about 1.8x as many experts in bf16, 1.4x in fp16); a load whose blob is still
-      there moves no bytes, its decode rebuilds the 16-bit expert. Each layer keeps at least one 16-bit slot.
     """
 
     k: int | None = None
@@ -59,7 +56,6 @@ class SpecterConfig:
     draft_ahead: bool = True
     residual_transfer: bool = True
     pooled_slots: int = 2
-    residual_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.k is not None:
@@ -75,7 +71,6 @@ class SpecterConfig:
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:
             raise SpecterError(f"eviction must be 'lru', 'lookahead' or 'popularity', got {self.eviction!r}")
         _integer(self, "pooled_slots", 0)
-        _integer(self, "residual_slots", 0)
 
     @classmethod
     def paper(cls, **fields) -> SpecterConfig:

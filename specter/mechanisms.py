@@ -11,7 +11,7 @@ from specter.draft.ahead import draft_ahead_problem
 from specter.offload.residual_store import residual_dtype_problem
 
 MECHANISMS = ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "residual_transfer",
-              "pooled_slots", "residual_slots")
+              "pooled_slots")
 NOT_ASKED = "off: not asked"
 RESIDENT = "off: every expert resident on the device (nothing is loaded)"
 
@@ -40,13 +40,11 @@ def resolve(config: SpecterConfig, model) -> Resolved:
         "pooled_slots": pooled_state(config.pooled_slots, slots),
     }
     pooled = min(config.pooled_slots, slots - 1) if states["pooled_slots"] == "on" else 0  # a slot each layer keeps
-    states["residual_slots"] = residual_slots_state(config.residual_slots, slots, pooled, states["residual_transfer"])
-    coded = min(config.residual_slots, slots - pooled - 1) if states["residual_slots"] == "on" else 0
     running = dataclasses.replace(
         config, k=config.k if config.k is not None else model.spec.k_for(slots),
         cuda_graph=states["cuda_graph"] == "on", draft_compile=states["draft_compile"] == "on",
         draft_ahead=states["draft_ahead"] == "on", residual_transfer=states["residual_transfer"] == "on",
-        pooled_slots=pooled, residual_slots=coded)
+        pooled_slots=pooled)
     return Resolved(running, states)
 
 
@@ -93,16 +91,3 @@ def pooled_state(pooled: int, slots: int | None) -> str:
     if slots is None:
         return RESIDENT
     return "off: needs at least 2 slots per layer (each layer keeps one of its own)" if slots < 2 else "on"
-
-
-def residual_slots_state(coded: int, slots: int | None, pooled: int, transfer: str) -> str:
-    """Residual-coded slots need residual transfer and a 16-bit slot of its own left in each layer."""
-    if coded == 0:
-        return NOT_ASKED
-    if slots is None:
-        return RESIDENT
-    if transfer != "on":
-        return f"off: needs residual transfer (residual_transfer {transfer})"
-    if slots - pooled < 2:
-        return "off: needs at least 2 slots per layer beyond the pooled ones (each layer keeps a 16-bit one)"
-    return "on"

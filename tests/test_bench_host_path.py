@@ -68,16 +68,3 @@ def test_a_pooled_layer_loads_in_expert_order_so_grouped_copies_of_neighbours_cr
     assert grouped["loads_per_layer"] == apart["loads_per_layer"]
     assert grouped["copies_per_layer"] < 0.7 * grouped["loads_per_layer"]
     assert apart["copies_per_layer"] == apart["loads_per_layer"]  # copies issued one by one never merge
-
-
-def test_residual_coded_slots_serve_reloads_from_the_device_with_every_wait_on_a_recorded_event(work):
-    """Staging rows that keep each layer's blobs (as many as it has experts): the same loads, the second window's
-    reloads copy nothing, and no copy or decode waits for an event never recorded (the fakes would fail)."""
-    rows = [bench.measure(bench.HostPathOptions(**fields), work, repeats=1)
-            for fields in ({}, {"blob_rows": 64}, {"blob_rows": 64, "group": 1}, {"blob_rows": 4})]
-    assert len({round(row["loads_per_layer"], 6) for row in rows}) == 1
-    assert rows[0]["blob_hits_per_layer"] == 0 and rows[1]["blob_hits_per_layer"] > 10
-    assert rows[1]["copies_per_layer"] <= rows[1]["loads_per_layer"] - rows[1]["blob_hits_per_layer"]
-    assert rows[2]["blob_hits_per_layer"] == rows[1]["blob_hits_per_layer"]
-    assert rows[2]["decode_launches_per_layer"] == rows[2]["loads_per_layer"]  # a decode per load, hits too
-    assert rows[3]["blob_hits_per_layer"] < rows[1]["blob_hits_per_layer"]

@@ -67,8 +67,8 @@ def test_exact_slot_count_and_lru_order():
     use(cache, 0, 2)
     assert cache.resident_experts(0) == {0, 2}
     assert cache.counters.as_dict() == {"hits": 1, "hits_prefetched": 0, "misses": 3, "misses_planned": 0,
-                                        "wasted_loads": 0, "loads_ahead": 0, "prefetch_loads": 0, "blob_hits": 0,
-                                        "evictions": 1, "reloads_after_prefetch": 0, "reloads_after_ahead": 0,
+                                        "wasted_loads": 0, "loads_ahead": 0, "prefetch_loads": 0, "evictions": 1,
+                                        "reloads_after_prefetch": 0, "reloads_after_ahead": 0,
                                         "reloads_after_verify": 0}
     assert cache.resident_experts(1) == set()
 

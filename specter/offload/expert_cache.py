@@ -9,7 +9,6 @@ from typing import NamedTuple
 import torch
 
 from specter.kernels.residual_decode import group_rows
-from specter.offload.blob_slots import BlobSlots
 from specter.offload.decode_groups import DecodeGroup
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
@@ -68,7 +67,6 @@ class CacheCounters:
     wasted_loads: int = 0  # loaded on the plan, not routed
     loads_ahead: int = 0
     prefetch_loads: int = 0
-    blob_hits: int = 0  # loads whose residual blob a residual-coded slot still held (no bytes moved)
     evictions: int = 0
     reloads_after_prefetch: int = 0
     reloads_after_ahead: int = 0
@@ -121,15 +119,14 @@ class ExpertCache:
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
                  streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_group: int = 1,
-                 spare_slots: bool = False, blob_rows: int = 0) -> None:
+                 spare_slots: bool = False) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
         self.decode_launcher = None if residuals is None else residuals.launcher()
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
-                    decode_group if residuals is not None else None, spare_slots, blob_rows)  # offload_experts compares
-        self.blob_slots = BlobSlots(store.num_layers, blob_rows) if residuals is not None and blob_rows else None
+                    decode_group if residuals is not None else None, spare_slots)  # offload_experts compares
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
                               for layer in range(store.num_layers)] if grouped else None
@@ -146,8 +143,6 @@ class ExpertCache:
         """Empty every slot (the same initial state before each input) and zero the counters."""
         for slots in self.layers:
             slots.clear()
-        if self.blob_slots is not None:
-            self.blob_slots.clear()  # another cache may have used the staging rows since
         first_spare = len(self.layers) * self.slots_per_layer
         self.spares = deque(SpareRow(row, None, None) for row in range(first_spare, first_spare + self.spare_rows))
         self.releases = 0  # launches whose slots were released (LayerSlots.released numbers them)
@@ -356,11 +351,9 @@ class ExpertCache:
         else:
             group = None if self.decode_groups is None else self.decode_groups[layer]
             decode = None if group else partial(self.residuals.decode, layer, expert, self.decode_launcher)
-            held = None if self.blob_slots is None else self.blob_slots.place(layer, expert)
-            self.counters.blob_hits += held is not None and held.present
             slots.ready[slot] = self.streams.copy_decoded(self.pool_rows[target.row], self.residuals.blob(layer, expert),
                                                           decode, self.residuals.max_blob_words, **waits,
-                                                          group=group, member=expert, held=held)
+                                                          group=group, member=expert)
         return slot
 
     def _decode_group(self, layer: int, staging: torch.Tensor, items: list[tuple]) -> None:

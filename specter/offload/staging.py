@@ -18,18 +18,16 @@ class StagingRows:
         self.flat: torch.Tensor | None = None  # the same words, one row after the other
         self.rows: tuple = ()  # each row's view, made once
         self.reader: list = []
-        self.filled: list = []  # per row, the event of the copy that wrote its blob (residual-coded slots)
         self.next_row = 0
         self.end: int | None = None  # word just past the last packed blob; None: the next one starts a row
 
-    def fits(self, capacity: int, rows: int = 0) -> bool:
-        return self.buffer is not None and self.buffer.shape[1] >= capacity and self.buffer.shape[0] >= rows
+    def fits(self, capacity: int) -> bool:
+        return self.buffer is not None and self.buffer.shape[1] >= capacity
 
     def allocate(self, count: int, capacity: int, dtype: torch.dtype) -> None:
         """`count` rows of `capacity` elements (the old rows are dropped: nothing may still use them)."""
         self.buffer = torch.empty(count, capacity, dtype=dtype, device=self.device)
         self.flat, self.rows, self.reader = self.buffer.view(-1), self.buffer.unbind(0), [None] * count
-        self.filled = [None] * count
         self.next_row, self.end = 0, None
 
     def take(self) -> int:

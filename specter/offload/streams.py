@@ -5,7 +5,6 @@ import time
 
 import torch
 
-from specter.offload.blob_slots import HeldRow
 from specter.offload.copy_log import CopyLog, CopyRecord
 from specter.offload.decode_groups import DecodeGroup, PendingDecodes
 from specter.offload.host_reads import HostRead, HostTap, read_when_reached
@@ -113,8 +112,7 @@ class DeviceStreams:
             torch.cuda.set_stream(compute)
 
     def copy_decoded(self, dst: torch.Tensor, blob: torch.Tensor, decode, capacity: int, after=None,
-                     demand: bool = False, previous=None, group: DecodeGroup | None = None, member=None,
-                     held: HeldRow | None = None):
+                     demand: bool = False, previous=None, group: DecodeGroup | None = None, member=None):
         """dst <- decode(blob on the device, dst) (a residual load); returns its ready event.
 
         The blob crosses PCIe on the copy stream into a staging row of `capacity` elements (the longest
@@ -125,24 +123,15 @@ class DeviceStreams:
         launched by `group.launch` once `group.size` loads are in it, or when anything needs one of them
         (`flush_decodes`); every load of a group returns the group's ready event. With `group_copies` a
         grouped load's blob copy waits in the group too, and the launch issues the group's copies back to back
-        first (`_issue_deferred_copies`). With `held` (residual-coded slots) the blob goes to the staging row the
-        caller chose, or is already there (`held.present`: nothing is copied), and stays for later loads
-        (`_copy_held`).
-        On CPU `decode` reads the host blob directly, synchronously (a present blob moves no bytes).
+        first (`_issue_deferred_copies`).
+        On CPU `decode` reads the host blob directly, synchronously.
         """
         nbytes = blob.numel() * blob.element_size()
         if not self.cuda:
-            if held is not None and held.present:
-                start = time.perf_counter()
-                decode(blob, dst)
-                self.log.decodes.append((start, time.perf_counter()))
-                return None
             span = self._on_host(lambda: decode(blob, dst), nbytes, demand)
             self.log.decodes.append(span)
             return None
-        self._ensure_staging(capacity, blob.dtype, 0 if held is None else held.rows)
-        if held is not None:
-            return self._copy_held(dst, blob, decode, held, (after, previous), group, member)
+        self._ensure_staging(capacity, blob.dtype)
         if group is not None and self.group_copies:
             return self._defer_copy(group, blob, (dst, member), (after, previous))
         row, pending = self.staging.take(), self._pending
@@ -165,42 +154,12 @@ class DeviceStreams:
             self.flush_decodes()
         return ready
 
-    def _ensure_staging(self, capacity: int, dtype: torch.dtype, rows: int = 0) -> None:
-        """Staging rows of at least `capacity` elements, at least `rows` of them (allocated once per capacity and
-        count, after the pending decodes)."""
-        if not self.staging.fits(capacity, rows):
+    def _ensure_staging(self, capacity: int, dtype: torch.dtype) -> None:
+        """Staging rows of at least `capacity` elements (allocated once per capacity, after the pending decodes)."""
+        if not self.staging.fits(capacity):
             self.flush_decodes()
-            count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * dtype.itemsize), rows)
+            count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * dtype.itemsize))
             self.staging.allocate(count, capacity, dtype)
-
-    def _copy_held(self, dst: torch.Tensor, blob: torch.Tensor, decode, held: HeldRow, row_events: tuple,
-                   group: DecodeGroup | None, member):
-        """A residual load into `held.row` of the staging rows, kept there: its blob copied unless present (the
-        copy waits for the row's last reader; a pending group reading the row is launched first), then its
-        decode (alone or in `group`) after the blob's arrival and `row_events`; the decode's ready event."""
-        row, pending = held.row, self._pending
-        if pending is not None and (group is None or pending.group.key != group.key or pending.holds(*row_events)
-                                    or (not held.present and row in pending.rows)):
-            self.flush_decodes()
-        staged = self.staging.view(row, blob.numel())
-        if held.present:
-            arrived, row_events = None, (*row_events, self.staging.filled[row])  # its copy may still run
-        else:
-            start, arrived = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.waits.wait(self.copy_stream, self.staging.reader[row])  # the decode that read this row last
-            self._issue_copy(staged, blob, self.copy_stream, start, arrived)
-            self.staging.filled[row] = arrived
-            self.log.copies.append(CopyRecord(start, arrived, blob.numel() * blob.element_size(), row_events[0]))
-        if group is None:
-            ready = self._decode_now(decode, staged, dst, (arrived, *row_events))
-        else:
-            ready = self._join_group(group, (self.staging.offset(row), blob.numel(), dst, member),
-                                     (arrived, *row_events))
-            self._pending.rows[row] = None
-            if len(self._pending.items) >= group.size:
-                self.flush_decodes()
-        self.staging.reader[row] = ready
-        return ready
 
     def _decode_now(self, decode, staged: torch.Tensor, dst: torch.Tensor, waits: tuple):
         """One load's decode on the decode stream after `waits`; its ready event."""
