@@ -38,6 +38,7 @@ import specter.offload.streams as streams_module  # noqa: E402
 import specter.verify.residency as residency_module  # noqa: E402
 from specter.hooks import attributes_set  # noqa: E402
 from specter.kernels.moe_align import MoEWorkspace  # noqa: E402
+from specter.offload.coded_slots import SCRATCH_ROWS, CodedSlots, coded_rows  # noqa: E402
 from specter.offload.eviction import LRUPolicy, RoutingCounts  # noqa: E402
 from specter.offload.expert_cache import ExpertCache  # noqa: E402
 from specter.offload.host_reads import HostRead  # noqa: E402
@@ -128,7 +129,8 @@ class HostPathOptions:
     loads per decode launch (`group`), a decode group's copies issued together (`group_copies`), pooled_slots
     (`pooled`), resident experts per layer (`slots`), the shared spare rows (`spare_rows`), and the residual
     staging rows (`staging_rows`: as many as STAGING_BYTES holds of dsv2's longest calibrated blob, about 12 MB;
-    the runtime caps a decode group there)."""
+    the runtime caps a decode group there), and residual-coded slots (`coded`: the same memory as blob rows,
+    rebuilt per wave into the scratch rows)."""
 
     layers: int = 26
     experts: int = 64
@@ -141,6 +143,7 @@ class HostPathOptions:
     group_copies: bool = True
     pooled: int = 2  # pooled_slots: slots of each layer moved to the spare rows, lent to the layer verified
     staging_rows: int = 10
+    coded: bool = False
 
     @property
     def verify_wave(self) -> int:
@@ -180,10 +183,15 @@ def build(options: HostPathOptions, fake: FakeCuda) -> ResidencyManager:
     for layer in range(options.layers):
         store.put_layer(layer, torch.zeros(options.experts, 16, 16, dtype=torch.float16),
                         torch.zeros(options.experts, 16, 8, dtype=torch.float16))
-    pooled = options.pooled  # pooled_slots: as the runtime moves them
-    cache = ExpertCache(store, options.slots - pooled, torch.device("cpu"), fake.device_streams(), LRUPolicy(),
-                        options.spare_rows + pooled * options.layers, residuals=FakeResiduals(options, fake.calls),
-                        decode_group=options.group, spare_slots=pooled > 0)
+    pooled, residuals = options.pooled, FakeResiduals(options, fake.calls)  # pooled_slots: as the runtime moves them
+    slots, spare, coded = options.slots - pooled, options.spare_rows + pooled * options.layers, None
+    if options.coded:  # as the runtime converts the memory
+        slots, spare = coded_rows(slots, spare, options.layers, options.experts, store.expert_bytes,
+                                  residuals.max_blob_words * 4)
+        coded = CodedSlots(residuals, options.layers * slots + spare, SCRATCH_ROWS, store.numel, store.dtype,
+                           torch.device("cpu"))
+    cache = ExpertCache(store, slots, torch.device("cpu"), fake.device_streams(), LRUPolicy(), spare,
+                        residuals=residuals, decode_group=options.group, spare_slots=pooled > 0, coded=coded)
     cache.streams.group_copies = options.group_copies
     verify = VerifyOptions(wave=options.verify_wave)
     manager = ResidencyManager(cache, RoutingCounts(), verify, MoEWorkspace())

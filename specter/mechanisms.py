@@ -11,7 +11,7 @@ from specter.draft.ahead import draft_ahead_problem
 from specter.offload.residual_store import residual_dtype_problem
 
 MECHANISMS = ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "residual_transfer",
-              "pooled_slots")
+              "pooled_slots", "coded_slots")
 NOT_ASKED = "off: not asked"
 RESIDENT = "off: every expert resident on the device (nothing is loaded)"
 
@@ -39,12 +39,13 @@ def resolve(config: SpecterConfig, model) -> Resolved:
         "residual_transfer": residual_state(config.residual_transfer, slots, model.dtype),
         "pooled_slots": pooled_state(config.pooled_slots, slots),
     }
+    states["coded_slots"] = coded_state(config.coded_slots, slots, states["residual_transfer"])
     pooled = min(config.pooled_slots, slots - 1) if states["pooled_slots"] == "on" else 0  # a slot each layer keeps
     running = dataclasses.replace(
         config, k=config.k if config.k is not None else model.spec.k_for(slots),
         cuda_graph=states["cuda_graph"] == "on", draft_compile=states["draft_compile"] == "on",
         draft_ahead=states["draft_ahead"] == "on", residual_transfer=states["residual_transfer"] == "on",
-        pooled_slots=pooled)
+        pooled_slots=pooled, coded_slots=states["coded_slots"] == "on")
     return Resolved(running, states)
 
 
@@ -91,3 +92,12 @@ def pooled_state(pooled: int, slots: int | None) -> str:
     if slots is None:
         return RESIDENT
     return "off: needs at least 2 slots per layer (each layer keeps one of its own)" if slots < 2 else "on"
+
+
+def coded_state(asked: bool, slots: int | None, transfer: str) -> str:
+    """Residual-coded slots hold the blobs that residual transfer moves."""
+    if not asked:
+        return NOT_ASKED
+    if slots is None:
+        return RESIDENT
+    return "on" if transfer == "on" else f"off: needs residual transfer (residual_transfer {transfer})"

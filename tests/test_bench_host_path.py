@@ -68,3 +68,13 @@ def test_a_pooled_layer_loads_in_expert_order_so_grouped_copies_of_neighbours_cr
     assert grouped["loads_per_layer"] == apart["loads_per_layer"]
     assert grouped["copies_per_layer"] < 0.7 * grouped["loads_per_layer"]
     assert apart["copies_per_layer"] == apart["loads_per_layer"]  # copies issued one by one never merge
+
+
+def test_coded_slots_hold_more_experts_and_rebuild_each_wave_with_every_wait_on_a_recorded_event(work):
+    """The same memory as blob rows (768-byte experts, 192-byte rows: 4x as many): fewer loads, a decode launch per
+    wave (the rebuild) and none per load, waves of at most the scratch rows; the fakes fail on a wait for an event
+    never recorded."""
+    plain, coded = (bench.measure(bench.HostPathOptions(coded=flag), work, repeats=1) for flag in (False, True))
+    assert coded["loads_per_layer"] < plain["loads_per_layer"]
+    assert coded["decode_launches_per_layer"] == coded["waves_per_layer"] > plain["waves_per_layer"]
+    assert coded["copies_per_layer"] == coded["loads_per_layer"]  # blob rows are apart: a copy per load

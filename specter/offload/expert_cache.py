@@ -119,20 +119,25 @@ class ExpertCache:
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
                  streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_group: int = 1,
-                 spare_slots: bool = False) -> None:
+                 spare_slots: bool = False, coded=None) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
         self.decode_launcher = None if residuals is None else residuals.launcher()
+        self.coded = coded  # CodedSlots: the slots hold residual blobs, rebuilt per verify wave (None: 16-bit slots)
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
-                    decode_group if residuals is not None else None, spare_slots)  # offload_experts compares
+                    decode_group if residuals is not None else None, spare_slots,
+                    coded is not None)  # offload_experts compares
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
                               for layer in range(store.num_layers)] if grouped else None
         self.policy, self.spare_rows, self.spare_slots = policy, spare_rows, spare_slots
         rows = store.num_layers * slots_per_layer + spare_rows
-        self.pool = torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
+        if coded is not None and coded.blobs.shape[0] != rows:
+            raise ValueError(f"coded slots hold {coded.blobs.shape[0]} blob rows, this cache has {rows}")
+        self.pool = coded.scratch if coded is not None else \
+            torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
         self.pool_rows = self.pool.unbind(0)  # each row's view, made once (a load indexes no tensor)
         size = slots_per_layer + (spare_rows if spare_slots else 0)
         self.layers = [LayerSlots(size, first_row=layer * slots_per_layer, own=slots_per_layer)
@@ -162,7 +167,14 @@ class ExpertCache:
 
     @property
     def device_bytes(self) -> int:
+        if self.coded is not None:
+            return self.coded.device_bytes
         return self.pool.numel() * self.pool.element_size()
+
+    @property
+    def max_wave(self) -> int | None:
+        """Most experts one verify wave may read (coded slots: the scratch rows; None: no bound)."""
+        return None if self.coded is None else len(self.coded.scratch_rows)
 
     def free(self) -> None:
         """Drop the device pool (before a new cache is allocated in its place) once no copy or decode still
@@ -170,6 +182,8 @@ class ExpertCache:
         self.streams.synchronize()
         self.pool = torch.empty(0, self.store.numel, dtype=self.store.dtype, device=self.pool.device)
         self.pool_rows = ()
+        if self.coded is not None:
+            self.coded.free()
         if self.decode_launcher is not None:
             self.decode_launcher.unbind()  # its bound launches hold the old pool
 
@@ -325,9 +339,18 @@ class ExpertCache:
     def ready_event(self, layer: int, slot: int):
         return self.layers[layer].ready[slot]
 
+    def wave_rows(self, layer: int, wave: list[tuple[int, int]]) -> list[int]:
+        """The pool rows holding a wave's experts ((expert, slot) pairs whose copies the compute stream has waited
+        for): the slots' rows, or with coded slots the scratch rows their blobs are rebuilt into now."""
+        rows = [self.row(layer, slot) for _, slot in wave]
+        if self.coded is None:
+            return rows
+        return self.coded.rebuild(self.streams, layer, [(expert, row) for (expert, _), row in zip(wave, rows)])
+
     def weights(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) views of a slot."""
-        return self.store.split(self.pool_rows[self.row(layer, slot)])
+        """(gate_up [2I, H], down [H, I]) views of a slot's expert (coded slots: rebuilt into a scratch row)."""
+        row, = self.wave_rows(layer, [(self.layers[layer].expert_of[slot], slot)])
+        return self.store.split(self.pool_rows[row])
 
     def _load(self, layer: int, expert: int, reason: str, slot: int | None = None, cause: str = "verify") -> int:
         slots = self.layers[layer]
@@ -346,7 +369,9 @@ class ExpertCache:
         slots.read_in[slot] = -1  # the caller marks a verification read
         target = self._swap_in_spare(slots, slot)
         waits = dict(after=target.last_use, demand=reason == DEMAND, previous=target.ready)
-        if self.residuals is None:
+        if self.coded is not None:
+            slots.ready[slot] = self.coded.copy_in(self.streams, target.row, layer, expert, **waits)
+        elif self.residuals is None:
             slots.ready[slot] = self.streams.copy(self.pool_rows[target.row], self.store.expert(layer, expert), **waits)
         else:
             group = None if self.decode_groups is None else self.decode_groups[layer]

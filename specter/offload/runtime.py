@@ -11,6 +11,7 @@ from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.kernels.moe_align import MoEWorkspace
+from specter.offload.coded_slots import CodedSlots, SCRATCH_ROWS, coded_rows
 from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
@@ -35,21 +36,22 @@ class OffloadConfig:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     residual: bool = False  # loads move residual blobs; a decode group's copies are issued together
     pooled_slots: int = 0  # of `slots`, per layer, moved to the spare rows and lent to the verify layers
+    coded: bool = False  # the slots' memory holds residual blobs, rebuilt per verify wave (with `residual`)
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
         """The cache of a (resolved) SpecterConfig: with pooled slots, waves of every slot a layer holds."""
         verify = VerifyOptions(config.expert_wise, -1 if config.pooled_slots else 0)
         return cls(config.resident_experts_per_layer, config.eviction, SPARE_ROWS, verify, config.residual_transfer,
-                   config.pooled_slots)
+                   config.pooled_slots, config.coded_slots)
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once):
         `slots - pooled_slots` slots per layer and `pooled_slots` rows of each layer added to the spare rows,
-        lent to the verify layers."""
+        lent to the verify layers; with `coded`, that memory holds residual blobs."""
         spare_rows = self.spare_rows + self.pooled_slots * len(model.experts)
         return offload_experts(model, self.slots - self.pooled_slots, self.policy, spare_rows, self.residual,
-                               self.pooled_slots > 0)
+                               self.pooled_slots > 0, self.coded and self.residual)
 
 
 @dataclass
@@ -123,29 +125,34 @@ def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStor
 
 
 def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SPARE_ROWS, residual: bool = False,
-                    spare_slots: bool = False) -> OffloadRuntime:
+                    spare_slots: bool = False, coded: bool = False) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
     slot count, policy, number of spare rows or transfer format builds a new cache over the same store
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
     on first use and kept), decoded `DECODE_GROUP` consecutive loads of one layer per launch. With
-    `spare_slots` the verify layers also stream through the spare rows (lent for the layer).
+    `spare_slots` the verify layers also stream through the spare rows (lent for the layer). With `residual` and
+    `coded`, the memory of those slots and spare rows, less SCRATCH_ROWS 16-bit rows, holds residual blobs
+    (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave.
     The runtime's own residency manager (default verification options) becomes every layer's target
     executor.
     """
     if not 1 <= slots <= model.num_experts:
         raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
-    runtime = model.offload
-    cache = None if runtime is None else runtime.cache
-    key = (slots, policy, spare_rows, residual, DECODE_GROUP if residual else None, spare_slots)
-    if cache is not None and cache.key == key:
-        return runtime
+    runtime, coded = model.offload, coded and residual
     if model.host_store is None:
         model.host_store = move_experts_to_store(model)
     residuals = None if runtime is None else runtime.residuals
     if residual and residuals is None:
         residuals = ResidualExpertStore.build(model.host_store, model.experts)
+    if coded:
+        store = model.host_store
+        slots, spare_rows = coded_rows(slots, spare_rows, store.num_layers, store.num_experts, store.expert_bytes,
+                                       residuals.max_blob_words * 4)
+    key = (slots, policy, spare_rows, residual, DECODE_GROUP if residual else None, spare_slots, coded)
+    if runtime is not None and runtime.cache.key == key:
+        return runtime
     if runtime is None:
         streams = DeviceStreams(model.device)
     else:
@@ -153,8 +160,11 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
         runtime.cache.free()  # free the old slots before allocating the new ones
         release_device_memory()
     routing = RoutingCounts()
+    coded_memory = None if not coded else CodedSlots(residuals, model.host_store.num_layers * slots + spare_rows,
+                                                     SCRATCH_ROWS, model.host_store.numel, model.host_store.dtype,
+                                                     model.device)
     cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows,
-                        residuals if residual else None, DECODE_GROUP, spare_slots)
+                        residuals if residual else None, DECODE_GROUP, spare_slots, coded_memory)
     residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
     runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals)
     for module in model.experts:

@@ -183,6 +183,7 @@ class ResidencyManager:
         into the slots it frees would otherwise wait for the slowest of its copies.
         """
         layer, size = step.module.moe_layer, wave_size(self.options.wave, self.cache.stream_slots)
+        size = min(size, self.cache.max_wave or size)  # coded slots: a wave's experts fit the scratch rows
         queue = deque(current)
         queue.extend(self._load_wave(layer, pending))
         while queue:
@@ -213,7 +214,8 @@ class ResidencyManager:
         layer, cache = step.module.moe_layer, self.cache
         self.waves += 1
         cache.streams.wait_all([cache.ready_event(layer, slot) for _, slot in wave])
-        step.waves(cache.streams.upload_map(step.module.num_experts, [(e, cache.row(layer, slot)) for e, slot in wave]))
+        rows = cache.wave_rows(layer, wave)  # coded slots: rebuilt into scratch rows here
+        step.waves(cache.streams.upload_map(step.module.num_experts, [(e, row) for (e, _), row in zip(wave, rows)]))
         cache.release_all(layer, [slot for _, slot in wave])
         self.host_wave_ms += (time.perf_counter() - start) * 1e3
 
