@@ -38,7 +38,7 @@ import specter.offload.streams as streams_module  # noqa: E402
 import specter.verify.residency as residency_module  # noqa: E402
 from specter.hooks import attributes_set  # noqa: E402
 from specter.kernels.moe_align import MoEWorkspace  # noqa: E402
-from specter.offload.coded_slots import SCRATCH_ROWS, CodedSlots, coded_rows  # noqa: E402
+from specter.offload.coded_slots import CodedSlots, coded_rows  # noqa: E402
 from specter.offload.eviction import LRUPolicy, RoutingCounts  # noqa: E402
 from specter.offload.expert_cache import ExpertCache  # noqa: E402
 from specter.offload.host_reads import HostRead  # noqa: E402
@@ -186,9 +186,9 @@ def build(options: HostPathOptions, fake: FakeCuda) -> ResidencyManager:
     pooled, residuals = options.pooled, FakeResiduals(options, fake.calls)  # pooled_slots: as the runtime moves them
     slots, spare, coded = options.slots - pooled, options.spare_rows + pooled * options.layers, None
     if options.coded:  # as the runtime converts the memory
-        slots, spare = coded_rows(slots, spare, options.layers, options.experts, store.expert_bytes,
-                                  residuals.max_blob_words * 4)
-        coded = CodedSlots(residuals, options.layers * slots + spare, SCRATCH_ROWS, store.numel, store.dtype,
+        slots, spare, scratch = coded_rows(slots, spare, options.layers, options.experts, store.expert_bytes,
+                                           residuals.max_blob_words * 4)
+        coded = CodedSlots(residuals, options.layers * slots + spare, scratch, store.numel, store.dtype,
                            torch.device("cpu"))
     cache = ExpertCache(store, slots, torch.device("cpu"), fake.device_streams(), LRUPolicy(), spare,
                         residuals=residuals, decode_group=options.group, spare_slots=pooled > 0, coded=coded)

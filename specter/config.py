@@ -8,7 +8,8 @@ from specter.errors import SpecterError
 
 EVICTION_POLICIES = ("lru", "lookahead", "popularity")
 MAX_CACHE_LEN = 256  # positions of the static KV cache at least (grown when a request needs more; 16 + 128 fits)
-PAPER_DESIGN = {"draft_compile": False, "draft_ahead": False, "residual_transfer": False, "pooled_slots": 0}
+PAPER_DESIGN = {"draft_compile": False, "draft_ahead": False, "residual_transfer": False, "pooled_slots": 0,
+                "coded_slots": False}
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class SpecterConfig:
       which then verifies in waves of every slot it holds (fewer, wider waves in the same memory).
     coded_slots: with residual transfer, the slots' memory holds residual blobs instead of 16-bit experts (about
       1.8x as many experts in bf16, 1.4x in fp16, less 8 16-bit scratch rows); loads and prefetches copy blobs,
-      and each verify wave rebuilds its experts' exact weights into the scratch rows just before its GEMMs.
+      and each verify wave (at most 8 experts) rebuilds its experts' exact weights into the scratch rows just
+      before its GEMMs.
     """
 
     k: int | None = None
@@ -59,7 +61,7 @@ class SpecterConfig:
     draft_ahead: bool = True
     residual_transfer: bool = True
     pooled_slots: int = 2
-    coded_slots: bool = False
+    coded_slots: bool = True
 
     def __post_init__(self) -> None:
         if self.k is not None:

@@ -17,10 +17,11 @@ CODED = dict(resident_experts_per_layer=6, coded_slots=True)
 
 def test_coded_rows_fill_the_same_memory_less_the_scratch_rows():
     # 26 layers x 4 slots + 56 spare rows of 1000-byte experts, 540-byte rows, less 8 scratch rows: 281 rows
-    assert coded_rows(4, 56, 26, 64, 1000, 540) == (7, 281 - 26 * 7)
-    assert coded_rows(30, 4, 2, 8, 1000, 540) == (8, 103 - 16)  # capped at the experts of a layer
-    with pytest.raises(SpecterError, match="coded slots need the memory of at least 10.1 16-bit experts"):
-        coded_rows(1, 2, 3, 8, 1000, 700)
+    assert coded_rows(4, 56, 26, 64, 1000, 540) == (7, 281 - 26 * 7, SCRATCH_ROWS)
+    assert coded_rows(30, 4, 2, 8, 1000, 540) == (8, 103 - 16, SCRATCH_ROWS)  # capped at the experts of a layer
+    assert coded_rows(1, 4, 3, 8, 1000, 700) == (1, 1, 4)  # fewer scratch rows, so that each layer keeps one
+    with pytest.raises(SpecterError, match="coded slots need the memory of at least 3.1 16-bit experts"):
+        coded_rows(1, 0, 3, 8, 1000, 700)
 
 
 def test_coded_slots_switch_themselves_off_with_a_reason():
@@ -30,8 +31,8 @@ def test_coded_slots_switch_themselves_off_with_a_reason():
         engine = specter.SpecterEngine(model, specter.SpecterConfig(**fields))
         return engine.mechanisms["coded_slots"], engine.config.coded_slots
 
-    assert state(resident_experts_per_layer=6) == ("off: not asked", False)
-    assert state(**CODED) == ("on", True)
+    assert state(resident_experts_per_layer=6) == ("on", True)  # the default
+    assert state(resident_experts_per_layer=6, coded_slots=False) == ("off: not asked", False)
     assert state(coded_slots=True) == ("off: every expert resident on the device (nothing is loaded)", False)
     assert state(**CODED, residual_transfer=False) == (
         "off: needs residual transfer (residual_transfer off: not asked)", False)
@@ -47,7 +48,8 @@ def test_coded_slots_equal_hf_greedy_with_more_experts_and_fewer_bytes(name):
     model = specter.load_model(name, device="cpu", dtype=torch.bfloat16)
     ids = prompt("Natalia sold clips")
     coded = specter.SpecterEngine(model, specter.SpecterConfig(**CODED, k=4)).generate(ids, NEW)
-    plain = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=6, k=4)).generate(ids, NEW)
+    plain = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=6, k=4, coded_slots=False)
+                                  ).generate(ids, NEW)
     assert coded.token_ids == plain.token_ids == hf_greedy_in(name, torch.bfloat16, ids, NEW), name
     assert coded.stats["mechanisms"]["coded_slots"] == "on"
     assert coded.stats["resident_experts_per_layer"] > plain.stats["resident_experts_per_layer"]
@@ -96,7 +98,8 @@ def test_coded_slots_on_cuda_give_the_16_bit_slots_tokens_with_fewer_bytes(name,
     model = specter.load_model(name, device="cuda", dtype=dtype)
     ids = prompt("Natalia sold clips")
     runs = [specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=6, k=4, **fields))
-            .generate(ids, NEW) for fields in ({"coded_slots": True}, {}, {"residual_transfer": False})]
+            .generate(ids, NEW) for fields in ({}, {"coded_slots": False}, {"residual_transfer": False})]
     coded, plain, raw = runs
     assert coded.token_ids == plain.token_ids == raw.token_ids, name
     assert coded.stats["mechanisms"]["coded_slots"] == "on" and coded.stats["h2d_bytes"] < plain.stats["h2d_bytes"]
+    assert coded.stats["residual_decodes"] > 0  # the rebuilds

@@ -17,7 +17,7 @@ from tests.conftest import tiny_model
 
 NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "cuda_graph": False,
                "draft_compile": False, "draft_ahead": False, "residual_transfer": False, "pooled_slots": 1,
-               "coded_slots": True}
+               "coded_slots": False}
 SPECTER_SYSTEMS = [name for name in known_systems() if name == "specter" or name.startswith("specter_")]
 
 

@@ -10,16 +10,18 @@ SCRATCH_ROWS = 8  # 16-bit rows a verify wave's coded experts are rebuilt into (
 
 
 def coded_rows(slots: int, spare_rows: int, num_layers: int, num_experts: int, expert_bytes: int,
-               blob_row_bytes: int, scratch: int = SCRATCH_ROWS) -> tuple[int, int]:
-    """(coded slots per layer, coded spare rows) in the memory of `slots` 16-bit slots per layer and `spare_rows`
-    16-bit spare rows, less `scratch` 16-bit rows for the rebuild; a coded row holds the longest blob."""
-    rows = (num_layers * slots + spare_rows - scratch) * expert_bytes // blob_row_bytes
-    own = min(slots * expert_bytes // blob_row_bytes, num_experts, max(rows, 0) // num_layers)
-    if own < 1:
-        need = (num_layers * blob_row_bytes + scratch * expert_bytes) / expert_bytes
-        raise SpecterError(f"coded slots need the memory of at least {need:.1f} 16-bit experts ({num_layers} "
-                           f"coded rows and {scratch} scratch rows); this cache has {num_layers * slots + spare_rows}")
-    return own, rows - num_layers * own
+               blob_row_bytes: int, scratch: int = SCRATCH_ROWS) -> tuple[int, int, int]:
+    """(coded slots per layer, coded spare rows, scratch rows) in the memory of `slots` 16-bit slots per layer and
+    `spare_rows` 16-bit spare rows: `scratch` 16-bit rows for the rebuild (fewer where the memory would not keep a
+    coded slot per layer), the rest as rows of the longest blob."""
+    for rebuild in range(scratch, 0, -1):
+        rows = (num_layers * slots + spare_rows - rebuild) * expert_bytes // blob_row_bytes
+        own = min(slots * expert_bytes // blob_row_bytes, num_experts, max(rows, 0) // num_layers)
+        if own >= 1:
+            return own, rows - num_layers * own, rebuild
+    need = (num_layers * blob_row_bytes + expert_bytes) / expert_bytes
+    raise SpecterError(f"coded slots need the memory of at least {need:.1f} 16-bit experts ({num_layers} coded rows "
+                       f"and a scratch row); this cache has {num_layers * slots + spare_rows}")
 
 
 class CodedSlots:
@@ -53,13 +55,14 @@ class CodedSlots:
             raise ValueError(f"a wave of {len(wave)} coded experts exceeds the {len(self.scratch_rows)} scratch rows")
         words = [self.residuals.blob(layer, expert).numel() for expert, _ in wave]
         if self.launcher is None:
-            for out, (expert, row), n in zip(self.scratch_rows, wave, words):
-                self.residuals.decode(layer, expert, None, self.blob_rows[row][:n], out)
+            streams.timed_decode(lambda: [self.residuals.decode(layer, expert, None, self.blob_rows[row][:n], out)
+                                          for out, (expert, row), n in zip(self.scratch_rows, wave, words)])
         else:
             table = [(row * self.capacity, n, expert, i * self.numel) for i, ((expert, row), n) in
                      enumerate(zip(wave, words))]  # [n, 4]: blob offset, blob words, expert, output offset
             items = streams.upload_rows(table, 4, ring="coded")
-            self.residuals.decode_group(layer, self.launcher, self.blobs.view(-1), self.scratch, items)
+            streams.timed_decode(lambda: self.residuals.decode_group(layer, self.launcher, self.blobs.view(-1),
+                                                                     self.scratch, items))
         return list(range(len(wave)))
 
     def free(self) -> None:

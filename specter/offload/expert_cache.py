@@ -128,7 +128,7 @@ class ExpertCache:
         self.coded = coded  # CodedSlots: the slots hold residual blobs, rebuilt per verify wave (None: 16-bit slots)
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
                     decode_group if residuals is not None else None, spare_slots,
-                    coded is not None)  # offload_experts compares
+                    0 if coded is None else len(coded.scratch_rows))  # offload_experts compares
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
                               for layer in range(store.num_layers)] if grouped else None

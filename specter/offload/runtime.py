@@ -11,7 +11,7 @@ from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.kernels.moe_align import MoEWorkspace
-from specter.offload.coded_slots import CodedSlots, SCRATCH_ROWS, coded_rows
+from specter.offload.coded_slots import SCRATCH_ROWS, CodedSlots, coded_rows
 from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
@@ -146,11 +146,12 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
     residuals = None if runtime is None else runtime.residuals
     if residual and residuals is None:
         residuals = ResidualExpertStore.build(model.host_store, model.experts)
+    scratch = 0
     if coded:
         store = model.host_store
-        slots, spare_rows = coded_rows(slots, spare_rows, store.num_layers, store.num_experts, store.expert_bytes,
-                                       residuals.max_blob_words * 4)
-    key = (slots, policy, spare_rows, residual, DECODE_GROUP if residual else None, spare_slots, coded)
+        slots, spare_rows, scratch = coded_rows(slots, spare_rows, store.num_layers, store.num_experts,
+                                                store.expert_bytes, residuals.max_blob_words * 4)
+    key = (slots, policy, spare_rows, residual, DECODE_GROUP if residual else None, spare_slots, scratch)
     if runtime is not None and runtime.cache.key == key:
         return runtime
     if runtime is None:
@@ -161,7 +162,7 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
         release_device_memory()
     routing = RoutingCounts()
     coded_memory = None if not coded else CodedSlots(residuals, model.host_store.num_layers * slots + spare_rows,
-                                                     SCRATCH_ROWS, model.host_store.numel, model.host_store.dtype,
+                                                     scratch, model.host_store.numel, model.host_store.dtype,
                                                      model.device)
     cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows,
                         residuals if residual else None, DECODE_GROUP, spare_slots, coded_memory)

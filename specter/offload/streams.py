@@ -161,6 +161,20 @@ class DeviceStreams:
             count = max(MIN_STAGING_BUFFERS, STAGING_BYTES // (capacity * dtype.itemsize))
             self.staging.allocate(count, capacity, dtype)
 
+    def timed_decode(self, work) -> None:
+        """Run `work` (decode launches on the current stream, in stream order) timed into the decode log."""
+        if not self.cuda:
+            start = time.perf_counter()
+            work()
+            self.log.decodes.append((start, time.perf_counter()))
+            return
+        stream = self.compute_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        work()
+        end.record(stream)
+        self.log.decodes.append((start, end))
+
     def _decode_now(self, decode, staged: torch.Tensor, dst: torch.Tensor, waits: tuple):
         """One load's decode on the decode stream after `waits`; its ready event."""
         decoding, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
