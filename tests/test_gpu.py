@@ -6,6 +6,7 @@ import torch
 
 import specter
 from baselines.target_only import TargetOnly
+from specter.offload.runtime import SPARE_ROWS
 from specter.offload.streams import DeviceStreams
 from tests.conftest import prompt
 
@@ -112,7 +113,8 @@ def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
     model = specter.load_model(name, device="cuda", dtype=dtype)
     options = [dict(residual_transfer=False, pooled_slots=0), dict(residual_transfer=True, pooled_slots=0),
                dict(residual_transfer=True, pooled_slots=1)]
-    runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, **o))
+    runs = [specter.SpecterEngine(model, specter.SpecterConfig(k=4, resident_experts_per_layer=2, coded_slots=False,
+                                                               **o))
             .generate(prompt(), 32) for o in options]
     assert all(run.token_ids == runs[0].token_ids for run in runs[1:])
     assert runs[1].stats["residual_decodes"] > 0 and runs[1].stats["h2d_bytes"] < 0.75 * runs[0].stats["h2d_bytes"]
@@ -143,7 +145,9 @@ def test_synthetic_full_size_dsv2_runs_under_low_and_high_memory():
         slots = model.spec.mem_presets[mem]
         out = specter.SpecterEngine(model, specter.SpecterConfig(k=16, resident_experts_per_layer=slots)).generate(ids, 24)
         assert len(out.token_ids) == 24 and out.stats["misses"] > 0
-        assert model.offload.cache.pool.shape[0] == model.num_moe_layers * slots + model.offload.cache.spare_rows
+        cache = model.offload.cache  # coded slots (the default): more experts in the slots' 16-bit memory
+        assert cache.device_bytes <= (model.num_moe_layers * slots + SPARE_ROWS) * cache.store.expert_bytes
+        assert cache.slots_per_layer > slots - 2  # 2 of the 16-bit slots are pooled
 
 
 @pytest.mark.parametrize("dtype", HALF)

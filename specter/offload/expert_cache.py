@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from specter.kernels.residual_decode import group_rows
+from specter.offload.cache_counters import PREFETCH, CacheCounters
 from specter.offload.decode_groups import DecodeGroup
 from specter.offload.host_store import HostExpertStore
 from specter.offload.streams import DeviceStreams
 
-PREFETCH, DEMAND = "prefetch", "demand"
-CAUSES = (PREFETCH, "ahead", "verify")  # what evicted an expert that the same window loads again
+DEMAND = "demand"
 
 
 @dataclass
@@ -55,36 +55,6 @@ class LayerSlots:
         return next((s for s in self.lru if self.rows[s] is None), None)
 
 
-@dataclass
-class CacheCounters:
-    """What the cache did in one request: lookups, loads by reason, evictions, and same-window reloads by the
-    cause of the eviction (`CAUSES`)."""
-
-    hits: int = 0
-    hits_prefetched: int = 0  # hits on experts the planner loaded
-    misses: int = 0
-    misses_planned: int = 0  # misses loaded on the draft's plan before the router was read
-    wasted_loads: int = 0  # loaded on the plan, not routed
-    loads_ahead: int = 0
-    prefetch_loads: int = 0
-    evictions: int = 0
-    reloads_after_prefetch: int = 0
-    reloads_after_ahead: int = 0
-    reloads_after_verify: int = 0
-
-    def count_reload(self, cause: str) -> None:
-        name = f"reloads_after_{cause}"
-        setattr(self, name, getattr(self, name) + 1)
-
-    @property
-    def loads(self) -> int:
-        """Experts copied in on demand or by a prefetch."""
-        return self.misses + self.prefetch_loads
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
 class SpareRow(NamedTuple):
     """A pool row that holds no resident expert: free once `last_use` (its last reader) has passed."""
 
@@ -115,6 +85,9 @@ class ExpertCache:
     With `spare_slots`, each layer also has `spare_rows` slots without a row of their own: a verify layer streams
     through them too (`load_if_free` lends each a spare row while one is left), and `return_lent_rows` gives the
     rows back when the layer is done (its least recently used experts beyond `slots_per_layer` evicted).
+
+    With `coded` (CodedSlots), the rows are blob rows: a load copies the expert's residual blob, and `wave_rows`
+    rebuilds a wave's experts into the scratch rows (`pool`) just before the wave's kernel.
     """
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,

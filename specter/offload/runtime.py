@@ -11,7 +11,7 @@ from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.kernels.moe_align import MoEWorkspace
-from specter.offload.coded_slots import SCRATCH_ROWS, CodedSlots, coded_rows
+from specter.offload.coded_slots import CodedSlots, coded_rows
 from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
@@ -133,7 +133,7 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
     on first use and kept), decoded `DECODE_GROUP` consecutive loads of one layer per launch. With
     `spare_slots` the verify layers also stream through the spare rows (lent for the layer). With `residual` and
-    `coded`, the memory of those slots and spare rows, less SCRATCH_ROWS 16-bit rows, holds residual blobs
+    `coded`, the memory of those slots and spare rows, less `coded_slots.SCRATCH_ROWS` 16-bit rows, holds residual blobs
     (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave.
     The runtime's own residency manager (default verification options) becomes every layer's target
     executor.
