@@ -4,7 +4,8 @@ Byte counts are deterministic (no timing): the CPU measures them as well as a GP
 one expert (gate, up and down projections) of seeded weights and checks that decoding rebuilds it bit
 for bit. It also measures what an entropy code could save: the empirical entropy of the residuals in each
 (margin class, width) bucket, the bits an ideal static code per bucket would spend on the stream (its tables
-not counted: a lower bound), against the fixed-width stream, overall and per margin class.
+not counted: a lower bound), against the fixed-width stream, overall, per margin class, and split between the
+weights whose code is the zero point (an interval over every binade below half a scale) and the others.
 
     python scripts/residual_bits.py --models dsv2 qwen --out results/reference/residual-bits
 """
@@ -20,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specter.metrics import write_rows_csv  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.quant.gptq import gptq_quantize  # noqa: E402
-from specter.quant.int4 import GROUP_SIZE, quantize_to_codes, symmetric_scales, unpack_codes  # noqa: E402
+from specter.quant.int4 import (GROUP_SIZE, ZERO_POINT, quantize_to_codes, symmetric_scales,  # noqa: E402
+                                unpack_codes)
 from specter.quant.residual import (MARGINS, RAW_BITS, ResidualTensor, bits_of, class_margins,  # noqa: E402
                                     decode, encode, intervals, order_keys)
 
@@ -78,10 +80,35 @@ def stream_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def zero_code_split(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    encoded: ResidualTensor) -> torch.Tensor:
+    """[[weights, fixed-width bits, ideal bits]] for the non-raw weights whose code is the zero point (their
+    interval spans every binade below s/2) and for the others: where an entropy code's saving comes from."""
+    group = encoded.group_size
+    low, width = intervals(codes, scales, weight.dtype, group, class_margins(encoded.margin_class))
+    cls = encoded.margin_class.repeat_interleave(group, dim=-1).flatten().long()
+    keep = cls < len(MARGINS)
+    value = (order_keys(bits_of(weight)) - low).flatten().long()[keep]
+    width, cls, zero = width.flatten().long()[keep], cls[keep], codes.flatten()[keep] == ZERO_POINT
+    out = torch.zeros(2, 3, dtype=torch.float64)
+    for row, mine in enumerate((zero, ~zero)):
+        bucket = (cls[mine] * 32 + width[mine]) << 20
+        ideal = _information(bucket + value[mine]) - _information(bucket)  # H(value | bucket), in bits
+        out[row] = torch.tensor([mine.sum().item(), width[mine].sum().item(), ideal])
+    return out
+
+
+def _information(symbols: torch.Tensor) -> float:
+    """Sum over the symbols of -log2 of their empirical frequency (n times the empirical entropy)."""
+    _, counts = torch.unique(symbols, return_counts=True)
+    counts = counts.double()
+    return (counts * torch.log2(counts.sum() / counts)).sum().item()
+
+
 def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) -> dict:
     generator = torch.Generator().manual_seed(seed)
     sent, weights, classes = 0, 0, torch.zeros(len(MARGINS) + 1, dtype=torch.int64)
-    bits = torch.zeros(len(MARGINS) + 1, 3, dtype=torch.float64)
+    bits, split = torch.zeros(len(MARGINS) + 1, 3, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64)
     for shape in expert_shapes(name):
         weight = draw(shape, law, generator).to(dtype)
         codes, scales = codes_and_scales(weight, draft, generator)
@@ -92,6 +119,7 @@ def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) 
         sent += encoded.nbytes()
         weights += weight.numel()
         bits += stream_bits(weight, codes, scales, encoded)
+        split += zero_code_split(weight, codes, scales, encoded)
         classes += torch.bincount(encoded.margin_class.flatten().long(), minlength=len(MARGINS) + 1)
     share = (classes.float() / classes.sum()).tolist()
     fixed, ideal = bits[:, 0].sum().item(), bits[:, 1].sum().item()
@@ -103,7 +131,11 @@ def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) 
             "stream_bits_per_weight": round(fixed / weights, 3),
             "entropy_bits_per_weight": round(ideal / weights, 3),
             "entropy_saving_of_sent": round((fixed - ideal) / (sent * 8), 4),
-            "class_stream_bits": per_class(0), "class_entropy_bits": per_class(1)}
+            "class_stream_bits": per_class(0), "class_entropy_bits": per_class(1),
+            "zero_code_share": round(split[0, 0].item() / weights, 4),
+            "zero_code_bits": f"{split[0, 1] / split[0, 0]:.2f} {split[0, 2] / split[0, 0]:.2f}",
+            "zero_code_saving_bits_per_weight": round((split[0, 1] - split[0, 2]).item() / weights, 3),
+            "other_saving_bits_per_weight": round((split[1, 1] - split[1, 2]).item() / weights, 3)}
 
 
 def main() -> None:

@@ -127,7 +127,13 @@ def test_the_bits_script_measures_a_tiny_expert(monkeypatch):
     monkeypatch.setattr(script, "expert_shapes", lambda name: [(8, 256), (256, 128)])
     row = script.measure("dsv2", torch.bfloat16, "laplace", "gptq")
     assert 0.5 < row["sent_over_raw"] < 1.0 and row["margin_class_shares"].count(" ") == 4
-    assert script.measure("dsv2", torch.float16, "normal", "rtn")["margin_class_shares"].startswith("1.000")
+    rtn = script.measure("dsv2", torch.bfloat16, "normal", "rtn")
+    assert rtn["margin_class_shares"].startswith("1.000")
+    zero_fixed, zero_ideal = map(float, rtn["zero_code_bits"].split())
+    assert 0.05 < rtn["zero_code_share"] < 0.3 and zero_fixed > zero_ideal + 2  # the zero interval's many binades
+    total_saving = rtn["stream_bits_per_weight"] - rtn["entropy_bits_per_weight"]
+    parts = rtn["zero_code_saving_bits_per_weight"] + rtn["other_saving_bits_per_weight"]
+    assert parts >= total_saving - 0.01  # split buckets fit at least as well
 
 
 def test_bit_length_is_exact_for_every_span():
