@@ -86,6 +86,8 @@ def test_a_rebuild_gives_each_waves_exact_experts_in_scratch_rows_in_order():
     assert torch.equal(coded.scratch[0], store.expert(1, 7)) and torch.equal(coded.scratch[1], store.expert(1, 5))
     with pytest.raises(ValueError, match="exceeds the 8 scratch rows"):
         coded.rebuild(streams, 1, [(2, 1)] * (SCRATCH_ROWS + 1))
+    coded.free()  # the buffers go, not just their views
+    assert coded.blobs.untyped_storage().nbytes() == coded.scratch.untyped_storage().nbytes() == 0
 
 
 @pytest.mark.gpu

@@ -67,7 +67,8 @@ class CodedSlots:
 
     def free(self) -> None:
         """Drop the device buffers (the caller has synchronised)."""
-        self.blobs, self.blob_rows = self.blobs[:0], ()
-        self.scratch, self.scratch_rows = self.scratch[:0], ()
+        self.blobs = torch.empty(0, self.capacity, dtype=torch.int32, device=self.blobs.device)  # no view: freed
+        self.scratch = torch.empty(0, self.numel, dtype=self.scratch.dtype, device=self.scratch.device)
+        self.blob_rows, self.scratch_rows = (), ()
         if self.launcher is not None:
             self.launcher.unbind()
