@@ -24,7 +24,7 @@ from specter.quant.gptq import gptq_quantize  # noqa: E402
 from specter.quant.int4 import (GROUP_SIZE, ZERO_POINT, quantize_to_codes, symmetric_scales,  # noqa: E402
                                 unpack_codes)
 from specter.quant.residual import (MARGINS, RAW_BITS, ResidualTensor, bits_of, class_margins,  # noqa: E402
-                                    decode, encode, intervals, order_keys)
+                                    decode, encode, fold_residuals, intervals, order_keys)
 
 STD = 0.02  # weight scale of the seeded draws (the law's spread; the ratio does not depend on it much)
 
@@ -59,11 +59,8 @@ def stream_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """Per margin class (and raw, last): [fixed-width stream bits, ideal entropy-coded bits, weights], float64.
 
     The entropy of a bucket (class, width) is that of its residual values' frequencies in this tensor."""
-    group = encoded.group_size
-    keys = order_keys(bits_of(weight))
-    low, width = intervals(codes, scales, weight.dtype, group, class_margins(encoded.margin_class))
-    cls = encoded.margin_class.repeat_interleave(group, dim=-1).flatten().long()  # [weights]
-    value, width = (keys - low).flatten().long(), width.flatten().long()
+    cls = encoded.margin_class.repeat_interleave(encoded.group_size, dim=-1).flatten().long()  # [weights]
+    value, width = residuals_of(weight, codes, scales, encoded)
     out = torch.zeros(len(MARGINS) + 1, 3, dtype=torch.float64)
     raw = cls == len(MARGINS)
     out[-1] = torch.tensor([RAW_BITS * raw.sum().item(), RAW_BITS * raw.sum().item(), raw.sum().item()])
@@ -80,16 +77,23 @@ def stream_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def residuals_of(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                 encoded: ResidualTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, width) of every weight in its encoded interval, flat int64 (raw groups' are meaningless)."""
+    low, width, fold = intervals(codes, scales, weight.dtype, encoded.group_size,
+                                 class_margins(encoded.margin_class), encoded.zero_width)
+    value = fold_residuals(order_keys(bits_of(weight)), low, width, fold)[0]
+    return value.flatten().long(), width.flatten().long()
+
+
 def zero_code_split(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     encoded: ResidualTensor) -> torch.Tensor:
     """[[weights, fixed-width bits, ideal bits]] for the non-raw weights whose code is the zero point (their
     interval spans every binade below s/2) and for the others: where an entropy code's saving comes from."""
-    group = encoded.group_size
-    low, width = intervals(codes, scales, weight.dtype, group, class_margins(encoded.margin_class))
-    cls = encoded.margin_class.repeat_interleave(group, dim=-1).flatten().long()
+    cls = encoded.margin_class.repeat_interleave(encoded.group_size, dim=-1).flatten().long()
     keep = cls < len(MARGINS)
-    value = (order_keys(bits_of(weight)) - low).flatten().long()[keep]
-    width, cls, zero = width.flatten().long()[keep], cls[keep], codes.flatten()[keep] == ZERO_POINT
+    value, width = (part[keep] for part in residuals_of(weight, codes, scales, encoded))
+    cls, zero = cls[keep], codes.flatten()[keep] == ZERO_POINT
     out = torch.zeros(2, 3, dtype=torch.float64)
     for row, mine in enumerate((zero, ~zero)):
         bucket = (cls[mine] * 32 + width[mine]) << 20

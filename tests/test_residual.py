@@ -12,6 +12,7 @@ from specter.quant.residual import (
     class_margins,
     decode,
     encode,
+    fold_residuals,
     intervals,
     keys_to_bits,
     mean_bits,
@@ -92,6 +93,40 @@ def test_adversarial_groups_round_trip(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_point_weights_take_the_fewest_bits_that_hold_their_group(dtype):
+    """A group's zero width is the narrowest fold of its zero-point interval that holds its zero-point weights: their
+    magnitudes' top keys (both signs); one weight near zero (or a zero) widens only its own group."""
+    torch.manual_seed(5)
+    weight = (0.02 * torch.randn(4, 3 * GROUP_SIZE)).to(dtype)
+    codes = quantize_to_codes(weight, symmetric_scales(weight))
+    zero_point = codes == 8
+    weight[1, :GROUP_SIZE] = torch.where(zero_point[1, :GROUP_SIZE], 1e-3 * weight[1, :GROUP_SIZE], weight[1, :GROUP_SIZE])
+    first = zero_point[2].nonzero()[0, 0]
+    weight[2, first] = -0.0  # a zero-point weight that is zero: the whole interval
+    weight[3, zero_point[3]] = -weight[3, zero_point[3]]  # signs flipped: the same magnitudes, the same width
+    codes = quantize_to_codes(weight, symmetric_scales(weight))
+    scales = symmetric_scales(weight).to(dtype)
+    encoded = encode(weight, codes, scales, GROUP_SIZE)
+    assert_bit_exact(decode(encoded, codes, scales), weight)
+    keys = order_keys(bits_of(weight))
+    full_widths = intervals(codes, scales, dtype, GROUP_SIZE, class_margins(encoded.margin_class))[1]
+    full = full_widths[codes == 8].max().item()
+    assert encoded.zero_width[2, first // GROUP_SIZE] == full and (encoded.zero_width <= full).all()
+    saving = 5 if dtype == torch.bfloat16 else 1000  # bf16: zero-point weights in their top binades; fp16: little
+    if dtype == torch.bfloat16:
+        assert (encoded.zero_width[0] < full - 2).all()
+        assert encoded.zero_width[1, 0] > encoded.zero_width[0].max()  # its zero-point weights 1000x smaller
+    narrower = (encoded.zero_width.to(torch.int32) - 1).clamp_min(0)
+    held = fold_residuals(keys, *intervals(codes, scales, dtype, GROUP_SIZE, class_margins(encoded.margin_class),
+                                           narrower))[1]
+    zero_groups = (codes == 8).unflatten(-1, (-1, GROUP_SIZE)).any(-1)
+    assert not (held.unflatten(-1, (-1, GROUP_SIZE)).all(-1) & zero_groups).any()  # one bit fewer holds none
+    used = intervals(codes, scales, dtype, GROUP_SIZE, class_margins(encoded.margin_class), encoded.zero_width)[1]
+    zero_bits_unfolded = full_widths[codes == 8].sum().item()
+    assert used.sum().item() <= full_widths.sum().item() - zero_bits_unfolded / saving  # the stream's bits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gptq_codes_round_trip_with_wider_margins(dtype):
     torch.manual_seed(2)
     weight = (0.02 * torch.randn(2, 16, 256)).to(dtype)
@@ -130,7 +165,7 @@ def test_the_bits_script_measures_a_tiny_expert(monkeypatch):
     rtn = script.measure("dsv2", torch.bfloat16, "normal", "rtn")
     assert rtn["margin_class_shares"].startswith("1.000")
     zero_fixed, zero_ideal = map(float, rtn["zero_code_bits"].split())
-    assert 0.05 < rtn["zero_code_share"] < 0.3 and zero_fixed > zero_ideal + 2  # the zero interval's many binades
+    assert 0.05 < rtn["zero_code_share"] < 0.3 and zero_ideal < zero_fixed < 12.5  # folded: 15 bits unfolded
     total_saving = rtn["stream_bits_per_weight"] - rtn["entropy_bits_per_weight"]
     parts = rtn["zero_code_saving_bits_per_weight"] + rtn["other_saving_bits_per_weight"]
     assert parts >= total_saving - 0.01  # split buckets fit at least as well
@@ -156,13 +191,14 @@ def test_classes_tried_on_open_groups_only_equal_every_class_tried_on_every_grou
             torch.uint8)
     scales = symmetric_scales(w).to(dtype)
     keys = order_keys(bits_of(w))
-    chosen, low, width = choose_classes(keys, codes, scales, dtype, GROUP_SIZE)
+    chosen, low, width, fold = choose_classes(keys, codes, scales, dtype, GROUP_SIZE)
     expected = torch.full(scales.shape, RAW_CLASS, dtype=torch.uint8)
     for index in reversed(range(len(MARGINS))):  # every class on every group, the narrowest holding one wins
-        lows, widths = intervals(codes, scales, dtype, GROUP_SIZE, torch.full(scales.shape, MARGINS[index]))
-        inside = (keys - lows >= 0) & (keys - lows < (1 << widths.to(torch.int64)))
+        interval = intervals(codes, scales, dtype, GROUP_SIZE, torch.full(scales.shape, MARGINS[index]))
+        inside = fold_residuals(keys, *interval)[1]
         expected[inside.unflatten(-1, (-1, GROUP_SIZE)).all(-1)] = index
     assert torch.equal(chosen, expected) and set(expected.unique().tolist()) >= {0, 1, 2, RAW_CLASS}
     held = (chosen != RAW_CLASS).repeat_interleave(GROUP_SIZE, dim=-1)
-    lows, widths = intervals(codes, scales, dtype, GROUP_SIZE, class_margins(chosen))
+    lows, widths, folds = intervals(codes, scales, dtype, GROUP_SIZE, class_margins(chosen))
+    assert torch.equal(fold[held], folds[held])
     assert torch.equal(low[held], lows[held]) and torch.equal(width[held], widths[held])

@@ -14,8 +14,8 @@ import torch
 
 from specter.kernels.launch import CompiledLaunch
 from specter.quant.int4 import Int4Linear
-from specter.quant.residual import MARGINS, RAW_BITS, RAW_CLASS
-from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_expert  # noqa: F401
+from specter.quant.residual import HALF, MARGINS, NO_FOLD, RAW_BITS, RAW_CLASS
+from specter.quant.residual_expert import ZERO_WIDTH_SHIFT, BlobLayout, decode_expert_reference, encode_expert  # noqa: F401
 
 BLOCK_ROWS = 16
 DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)
@@ -32,6 +32,10 @@ except ImportError:  # the module still imports; decode_expert raises RuntimeErr
 
 
 if TRITON_AVAILABLE:
+    _ZERO_WIDTH_SHIFT = tl.constexpr(ZERO_WIDTH_SHIFT)
+    _CLASS_MASK = tl.constexpr((1 << ZERO_WIDTH_SHIFT) - 1)  # a class byte's margin class bits
+    _NO_FOLD = tl.constexpr(NO_FOLD)
+    _HALF = tl.constexpr(HALF)
 
     @triton.jit
     def _truncated_key(value, IS_BF16: tl.constexpr):
@@ -81,7 +85,9 @@ if TRITON_AVAILABLE:
         code = (packed >> ((cols % 8) * 4)[None, :]) & 0xF  # [R, G] in 0..15
         scale = _scale_of(scales_ptr, group * out_features + rows, row_ok, IS_BF16)[:, None]  # scales [in/g, out]
         index = group_base + rows * groups + group  # [R] the groups' indices in the blob
-        margin_class = tl.load(class_ptr + index, mask=row_ok, other=RAW).to(tl.int32)[:, None]
+        class_byte = tl.load(class_ptr + index, mask=row_ok, other=RAW).to(tl.int32)[:, None]  # [R, 1]
+        margin_class = class_byte & _CLASS_MASK
+        zero_bits = class_byte >> _ZERO_WIDTH_SHIFT  # the group's zero width
         start = tl.load(blob_ptr + index, mask=row_ok, other=0)[:, None]
         margin = tl.where(margin_class == 0, M0, tl.where(margin_class == 1, M1, tl.where(margin_class == 2, M2, M3)))
         if CODE_TABLE:  # each row's 16 intervals once, then looked up by code
@@ -91,9 +97,15 @@ if TRITON_AVAILABLE:
         low = tl.maximum(_truncated_key((q - 0.5 - margin) * scale, IS_BF16) - 1, 0)
         high = tl.minimum(_truncated_key((q + 0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
         width = _bit_length(tl.maximum(high - low, 0))  # [R, 16] or [R, G]
+        zero = q == 0.0  # zero-point intervals, folded at zero (residual.fold_zero_point)
+        zero_low = tl.maximum(high - (1 << tl.maximum(zero_bits - 1, 0)) + 1, _HALF)
+        fold = tl.where(zero, tl.maximum(high - zero_low + 1, 0), _NO_FOLD)
+        low = tl.where(zero, zero_low, low)
+        width = tl.where(zero, zero_bits, width)
         if CODE_TABLE:
             low = tl.gather(low, code, axis=1)  # [R, G]
             width = tl.gather(width, code, axis=1)
+            fold = tl.gather(fold, code, axis=1)
         raw = margin_class == RAW
         width = tl.where(raw, RAW_WIDTH, width)  # [R, G]
         within = tl.cumsum(width, axis=1) - width  # bit offset inside the group
@@ -104,7 +116,7 @@ if TRITON_AVAILABLE:
         w1 = w1.to(tl.uint32, bitcast=True)
         pair = (w0 >> shift) | ((w1 << 1) << (31 - shift))  # the 32 bits from the weight's offset
         value = (pair & ((tl.full([BLOCK_ROWS, GROUP], 1, tl.uint32) << width.to(tl.uint32)) - 1)).to(tl.int32)
-        key = low + value
+        key = tl.where(value >= fold, 0xFFFF - (low + value - fold), low + value)
         bits = tl.where(raw, value, tl.where(key >= 0x8000, key & 0x7FFF, 0xFFFF - key))
         bits = tl.where(bits >= 0x8000, bits - 0x10000, bits)  # the int16 pattern
         tl.store(out_ptr + out_base + rows[:, None] * in_features + cols[None, :], bits.to(tl.int16),

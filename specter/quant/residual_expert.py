@@ -4,10 +4,11 @@ An expert's linears (gate_up [2I, H], then down [H, I]) are encoded with `specte
 against the draft's codes and concatenated into one blob of int32 words:
 
     [ word start of every group (int32, linear after linear, row-major)   total_groups words
-    | margin class of every group (uint8, 4 per word, same order)         ceil(total_groups / 4) words
+    | class byte of every group (uint8, 4 per word, same order)           ceil(total_groups / 4) words
     | the linears' bit streams, one after the other                       the rest ]
 
-A group's word start counts from the first stream word. Every expert of a model has the same header; only
+A group's class byte holds its margin class (bits 0-2) and its zero width (bits 3-7); its word start counts
+from the first stream word. Every expert of a model has the same header; only
 the stream length differs, so one `BlobLayout` describes them all.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from specter.quant.int4 import Int4Linear, unpack_codes
 from specter.quant.residual import ResidualTensor, decode, encode, stream_as_int32
 
 CLASSES_PER_WORD = 4
+ZERO_WIDTH_SHIFT = 3  # a class byte: margin class in bits 0-2, zero width above
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,9 @@ def encode_experts(weights: list[torch.Tensor], drafts: list[Int4Linear]) -> lis
     parts = [encode(w, unpack_codes(d.qweight), scales_by_row(d), d.group_size) for w, d in zip(weights, drafts)]
     firsts = [torch.cat([p.word_start[:, 0, 0], p.word_start.new_tensor([p.words.numel()])]).tolist()
               for p in parts]  # [n + 1] per linear: where each expert's stream starts
-    return [expert_blob([ResidualTensor(p.margin_class[e], p.word_start[e] - first[e], p.words[first[e]:first[e + 1]],
-                                        p.dtype, p.group_size) for p, first in zip(parts, firsts)])
+    return [expert_blob([ResidualTensor(p.margin_class[e], p.zero_width[e], p.word_start[e] - first[e],
+                                        p.words[first[e]:first[e + 1]], p.dtype, p.group_size)
+                         for p, first in zip(parts, firsts)])
             for e in range(weights[0].shape[0])]
 
 
@@ -89,7 +92,7 @@ def expert_blob(parts: list[ResidualTensor]) -> torch.Tensor:
     for part in parts:
         starts.append(part.word_start.flatten() + stream_words)
         stream_words += part.words.numel()
-    classes = torch.cat([p.margin_class.flatten() for p in parts])
+    classes = torch.cat([(p.margin_class | (p.zero_width << ZERO_WIDTH_SHIFT)).flatten() for p in parts])
     classes = torch.cat([classes, classes.new_zeros(-classes.numel() % CLASSES_PER_WORD)])
     return torch.cat([torch.cat(starts).to(torch.int32), classes.view(torch.int32)]
                      + [stream_as_int32(p.words) for p in parts])
@@ -107,8 +110,9 @@ def split_blob(blob: torch.Tensor, layout: BlobLayout, dtype: torch.dtype) -> li
         start = blob[base:base + groups].to(torch.int64).view(shape)
         end = int(blob[base + groups]) if part + 1 < len(layout.shapes) else words.numel()
         first = int(start.flatten()[0]) if groups else 0
-        parts.append(ResidualTensor(classes[base:base + groups].view(shape).clone(), start - first,
-                                    words[first:end].clone(), dtype, layout.group_size))
+        class_bytes = classes[base:base + groups].view(shape)
+        parts.append(ResidualTensor(class_bytes & ((1 << ZERO_WIDTH_SHIFT) - 1), class_bytes >> ZERO_WIDTH_SHIFT,
+                                    start - first, words[first:end].clone(), dtype, layout.group_size))
     return parts
 
 
