@@ -100,7 +100,8 @@ def test_zero_point_weights_take_the_fewest_bits_that_hold_their_group(dtype):
     weight = (0.02 * torch.randn(4, 3 * GROUP_SIZE)).to(dtype)
     codes = quantize_to_codes(weight, symmetric_scales(weight))
     zero_point = codes == 8
-    weight[1, :GROUP_SIZE] = torch.where(zero_point[1, :GROUP_SIZE], 1e-3 * weight[1, :GROUP_SIZE], weight[1, :GROUP_SIZE])
+    group = weight[1, :GROUP_SIZE]
+    weight[1, :GROUP_SIZE] = torch.where(zero_point[1, :GROUP_SIZE], 1e-3 * group, group)
     first = zero_point[2].nonzero()[0, 0]
     weight[2, first] = -0.0  # a zero-point weight that is zero: the whole interval
     weight[3, zero_point[3]] = -weight[3, zero_point[3]]  # signs flipped: the same magnitudes, the same width

@@ -15,7 +15,12 @@ import torch
 from specter.kernels.launch import CompiledLaunch
 from specter.quant.int4 import Int4Linear
 from specter.quant.residual import HALF, MARGINS, NO_FOLD, RAW_BITS, RAW_CLASS
-from specter.quant.residual_expert import ZERO_WIDTH_SHIFT, BlobLayout, decode_expert_reference, encode_expert  # noqa: F401
+from specter.quant.residual_expert import (  # noqa: F401
+    ZERO_WIDTH_SHIFT,
+    BlobLayout,
+    decode_expert_reference,
+    encode_expert,
+)
 
 BLOCK_ROWS = 16
 DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)

@@ -21,8 +21,8 @@ magnitude's offset in that range, plus the range's size for a negative weight, i
 
 Layout of an encoded tensor W [..., out, in] (leading dims: experts): per group its margin class (3
 bits; RAW_CLASS = raw), its zero width (5 bits) and the start of its bits in a uint32 word stream (each
-group starts on a word); within a group the weights' residuals follow in input order, each in its own width. `encode` and
-`decode` are the plain torch reference of the format.
+group starts on a word); within a group the weights' residuals follow in input order, each in its own
+width. `encode` and `decode` are the plain torch reference of the format.
 """
 from __future__ import annotations
 
