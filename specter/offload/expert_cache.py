@@ -97,8 +97,9 @@ class ExpertCache:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
         self.residuals = residuals  # a ResidualExpertStore: loads move residual blobs (None: raw experts)
-        self.decode_launcher = None if residuals is None else residuals.launcher()
         self.coded = coded  # CodedSlots: the slots hold residual blobs, rebuilt per verify wave (None: 16-bit slots)
+        decodes_loads = residuals is not None and coded is None  # coded slots decode per wave, in CodedSlots
+        self.decode_launcher = residuals.launcher() if decodes_loads else None
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
                     decode_group if residuals is not None else None, spare_slots,
                     0 if coded is None else len(coded.scratch_rows))  # offload_experts compares
@@ -349,9 +350,10 @@ class ExpertCache:
         else:
             group = None if self.decode_groups is None else self.decode_groups[layer]
             decode = None if group else partial(self.residuals.decode, layer, expert, self.decode_launcher)
-            slots.ready[slot] = self.streams.copy_decoded(self.pool_rows[target.row], self.residuals.blob(layer, expert),
-                                                          decode, self.residuals.max_blob_words, **waits,
-                                                          group=group, member=expert)
+            blob = self.residuals.blob(layer, expert)
+            slots.ready[slot] = self.streams.copy_decoded(self.pool_rows[target.row], blob, decode,
+                                                          self.residuals.max_blob_words, **waits, group=group,
+                                                          member=expert)
         return slot
 
     def _decode_group(self, layer: int, staging: torch.Tensor, items: list[tuple]) -> None:
