@@ -43,7 +43,7 @@ class SpecterConfig:
     pooled_slots: N of each MoE layer's slots join the shared spare rows, lent to the layer being verified,
       which then verifies in waves of every slot it holds (fewer, wider waves in the same memory).
     coded_slots: with residual transfer, the slots' memory holds residual blobs instead of 16-bit experts (about
-      1.8x as many experts in bf16, 1.4x in fp16, less 8 16-bit scratch rows); loads and prefetches copy blobs,
+      2x as many experts in bf16, 1.45x in fp16, less 8 16-bit scratch rows); loads and prefetches copy blobs,
       and each verify wave (at most 8 experts) rebuilds its experts' exact weights into the scratch rows just
       before its GEMMs.
     """
