@@ -90,6 +90,30 @@ def test_a_rebuild_gives_each_waves_exact_experts_in_scratch_rows_in_order():
     assert coded.blobs.untyped_storage().nbytes() == coded.scratch.untyped_storage().nbytes() == 0
 
 
+def test_the_store_refuses_a_decode_kernel_that_does_not_rebuild_its_experts(monkeypatch):
+    """Where the kernel decodes (CUDA), the store checks two experts at build; here the kernel is stood in for by the
+    reference decode, then by one that flips a bit of the last expert."""
+    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+    store = move_experts_to_store(model, keep_on_device=True)
+    residuals = ResidualExpertStore.build(store, model.experts)
+    assert not residuals.use_kernel  # no-op on the CPU
+    residuals.use_kernel = True
+    monkeypatch.setattr(residuals, "launcher", lambda programs=0: None)  # decode falls back to the reference
+    residuals.check_kernel(store)
+    exact = residuals.decode
+    last = (len(residuals.drafts) - 1, store.num_experts - 1)
+
+    def flipped(layer, expert, launcher, blob, out):
+        exact(layer, expert, launcher, blob, out)
+        if (layer, expert) == last:
+            out.view(torch.int16)[17] ^= 1
+        return out
+
+    monkeypatch.setattr(residuals, "decode", flipped)
+    with pytest.raises(SpecterError, match=f"does not rebuild layer {last[0]}'s expert {last[1]} bit for bit"):
+        residuals.check_kernel(store)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-qwen", "tiny-mixtral"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

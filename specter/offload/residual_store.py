@@ -67,7 +67,24 @@ class ResidualExpertStore:
             sizes = [blob.numel() for blob in blobs]
             offsets.append([sum(sizes[:e]) for e in range(len(sizes) + 1)])
             buffers.append(pin(torch.cat(blobs), device))
-        return cls(layout, store.dtype, drafts, buffers, offsets)
+        residuals = cls(layout, store.dtype, drafts, buffers, offsets)
+        residuals.check_kernel(store)
+        return residuals
+
+    def check_kernel(self, store: HostExpertStore) -> None:
+        """Raise SpecterError unless the Triton decode rebuilds the first layer's first expert and the last layer's
+        last expert bit for bit (no-op where the torch reference decodes): a GPU on which the kernel miscompiles
+        stops here, not after serving wrong weights."""
+        if not self.use_kernel:
+            return
+        launcher = self.launcher()
+        for layer, expert in ((0, 0), (len(self.drafts) - 1, store.num_experts - 1)):
+            device = self.drafts[layer][0].qweight.device
+            out = torch.empty(store.numel, dtype=self.dtype, device=device)
+            self.decode(layer, expert, launcher, self.blob(layer, expert).to(device), out)
+            if not torch.equal(out.view(torch.int16).cpu(), store.expert(layer, expert).view(torch.int16).cpu()):
+                raise SpecterError(f"the residual decode kernel does not rebuild layer {layer}'s expert {expert} bit "
+                                   f"for bit on this GPU; run with residual_transfer=false and report it")
 
     def blob(self, layer: int, expert: int) -> torch.Tensor:
         """The expert's blob [n] int32 (a view into the layer's host buffer)."""
