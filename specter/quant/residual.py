@@ -152,12 +152,17 @@ def fold_zero_point(high: torch.Tensor, zero_bits: torch.Tensor) -> tuple[torch.
     return low, (high - low + 1).clamp_min(0)
 
 
+def magnitude_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Keys with negative ones mirrored onto their magnitude's (0xFFFF - key), so -x and x share a key."""
+    return torch.where(keys < HALF, 0xFFFF - keys, keys)
+
+
 def fold_residuals(keys: torch.Tensor, low: torch.Tensor, width: torch.Tensor,
                    fold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, fits) of keys in their intervals (`intervals`): key - low, or for a folded interval the
     magnitude's offset (plus fold for a negative key); fits says whether the interval holds the key."""
     mirrored = (fold < NO_FOLD) & (keys < HALF)
-    offset = torch.where(mirrored, 0xFFFF - keys, keys) - low
+    offset = torch.where(mirrored, magnitude_keys(keys), keys) - low
     limit = torch.where(fold < NO_FOLD, fold, 1 << width.to(torch.int64))
     return torch.where(mirrored, offset + fold, offset), (offset >= 0) & (offset < limit)
 
@@ -172,7 +177,7 @@ def narrow_zero_width(keys: torch.Tensor, codes: torch.Tensor, low: torch.Tensor
     """Each group's zero width [..., out, in/g] (uint8): the fewest bits that hold its zero-point weights,
     given their whole folded intervals (low, fold of `intervals` without a zero width; 0: no such weight)."""
     zero = codes.to(torch.int32) == ZERO_POINT
-    offset = torch.where(keys < HALF, 0xFFFF - keys, keys) - low  # from +0, [..., out, in]
+    offset = magnitude_keys(keys) - low  # from +0, [..., out, in]
     needed = torch.where(zero, fold - offset, torch.zeros_like(offset))  # keys from the weight's up to high
     needed = needed.unflatten(-1, (-1, group_size)).amax(-1)  # [..., out, in/g]
     return bit_length((2 * needed - 1).clamp_min(0)).to(torch.uint8)
