@@ -102,15 +102,16 @@ if TRITON_AVAILABLE:
         low = tl.maximum(_truncated_key((q - 0.5 - margin) * scale, IS_BF16) - 1, 0)
         high = tl.minimum(_truncated_key((q + 0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
         width = _bit_length(tl.maximum(high - low, 0))  # [R, 16] or [R, G]
-        zero = q == 0.0  # zero-point intervals, folded at zero (residual.fold_zero_point)
-        zero_low = tl.maximum(high - (1 << tl.maximum(zero_bits - 1, 0)) + 1, _HALF)
-        fold = tl.where(zero, tl.maximum(high - zero_low + 1, 0), _NO_FOLD)
-        low = tl.where(zero, zero_low, low)
-        width = tl.where(zero, zero_bits, width)
         if CODE_TABLE:
             low = tl.gather(low, code, axis=1)  # [R, G]
             width = tl.gather(width, code, axis=1)
-            fold = tl.gather(fold, code, axis=1)
+        # zero-point intervals, folded at zero (residual.fold_zero_point): one per row, [R, 1]
+        zero_high = tl.minimum(_truncated_key((0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
+        zero_low = tl.maximum(zero_high - (1 << tl.maximum(zero_bits - 1, 0)) + 1, _HALF)
+        zero = code == 8  # [R, G]
+        fold = tl.where(zero, tl.maximum(zero_high - zero_low + 1, 0), _NO_FOLD)
+        low = tl.where(zero, zero_low, low)
+        width = tl.where(zero, zero_bits, width)
         raw = margin_class == RAW
         width = tl.where(raw, RAW_WIDTH, width)  # [R, G]
         within = tl.cumsum(width, axis=1) - width  # bit offset inside the group
