@@ -8,8 +8,8 @@ pytest.importorskip("triton")
 
 from specter.kernels.residual_decode import decode_expert, decode_expert_reference  # noqa: E402
 from specter.quant.gptq import gptq_quantize  # noqa: E402
-from specter.quant.int4 import GROUP_SIZE, quantize_rtn  # noqa: E402
-from specter.quant.residual import bits_of  # noqa: E402
+from specter.quant.int4 import GROUP_SIZE, pack_codes, quantize_rtn, unpack_codes  # noqa: E402
+from specter.quant.residual import RAW_CLASS, bits_of  # noqa: E402
 from specter.quant.residual_expert import encode_expert, expert_layout, split_blob  # noqa: E402
 
 
@@ -30,7 +30,15 @@ def linear(out: int, inputs: int, dtype: torch.dtype, group_size: int, draft: st
         x = torch.randn(4 * inputs, inputs, generator=gen)
         packed = gptq_quantize(finite, x.T @ x, group_size=group_size)
         return weight, type(packed)(packed.qweight, packed.scales.to(dtype), group_size)
-    return weight, quantize_rtn(finite, group_size)
+    packed = quantize_rtn(finite, group_size)
+    if draft == "spread":  # one code per group moved by 0-3 steps (by row): groups of every margin class
+        codes = unpack_codes(packed.qweight)  # [out, in]
+        shift = (torch.arange(out) % 4).view(out, 1).expand(out, inputs // group_size)  # [out, in/g]
+        column = torch.arange(inputs // group_size) * group_size + torch.arange(out).view(out, 1) % group_size
+        moved = codes.gather(1, column).int() + torch.where(column % 2 == 0, shift, -shift)
+        codes.scatter_(1, column, moved.clamp(0, 15).to(torch.uint8))
+        packed = type(packed)(pack_codes(codes), packed.scales, group_size)
+    return weight, packed
 
 
 def make_expert(hidden: int, intermediate: int, group_size: int, dtype: torch.dtype, draft: str, seed: int = 0):
@@ -84,10 +92,20 @@ def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape, varian
     assert torch.equal(bits_of(rebuilt), bits_of(weights))
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_decodes_groups_of_every_margin_class(dtype):
+    layout, blob, drafts, weights = make_expert(256, 128, GROUP_SIZE, dtype, "spread")
+    classes = torch.cat([part.margin_class.flatten() for part in split_blob(blob, layout, dtype)])
+    assert set(classes.unique().tolist()) == set(range(RAW_CLASS + 1))
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights))
+    assert torch.equal(bits_of(rebuilt), bits_of(weights))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("draft", ["rtn", "gptq"])
+@pytest.mark.parametrize("draft", ["rtn", "gptq", "spread"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=["code-table", "per-weight", "3-programs", "5-programs-per-weight"])
 def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
     layout, blob, drafts, weights = make_expert(2048, 1408, GROUP_SIZE, dtype, draft)

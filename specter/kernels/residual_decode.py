@@ -14,7 +14,7 @@ import torch
 
 from specter.kernels.launch import CompiledLaunch
 from specter.quant.int4 import Int4Linear
-from specter.quant.residual import HALF, MARGINS, NO_FOLD, RAW_BITS, RAW_CLASS
+from specter.quant.residual import HALF, MARGIN_BASE, MARGIN_STEP, NO_FOLD, RAW_BITS, RAW_CLASS
 from specter.quant.residual_expert import (  # noqa: F401
     ZERO_WIDTH_SHIFT,
     BlobLayout,
@@ -77,7 +77,7 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _decode_tile(blob_ptr, class_ptr, out_ptr, qweight_ptr, scales_ptr, tile, out_features, in_features,
                      group_base, out_base, stream_word, blob_words,
-                     M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
+                     MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
                      RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
                      CODE_TABLE: tl.constexpr):
         groups = in_features // GROUP
@@ -94,7 +94,7 @@ if TRITON_AVAILABLE:
         margin_class = class_byte & _CLASS_MASK
         zero_bits = class_byte >> _ZERO_WIDTH_SHIFT  # the group's zero width
         start = tl.load(blob_ptr + index, mask=row_ok, other=0)[:, None]
-        margin = tl.where(margin_class == 0, M0, tl.where(margin_class == 1, M1, tl.where(margin_class == 2, M2, M3)))
+        margin = margin_class.to(tl.float32) * MARGIN_STEP + MARGIN_BASE  # residual.MARGINS, exact in float32
         if CODE_TABLE:  # each row's 16 intervals once, then looked up by code
             q = (tl.arange(0, 16).to(tl.float32) - 8.0)[None, :]  # [1, 16]
         else:  # every weight's interval from its own code
@@ -131,7 +131,7 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
                              out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
-                             blob_words, M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr,
+                             blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
                              RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
                              BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr):
         """This program's tiles of one expert (every num_programs(0)-th from program_id(0))."""
@@ -140,31 +140,32 @@ if TRITON_AVAILABLE:
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):  # a grid below `tiles` leaves SMs free
             if tile < tiles0:  # linear 0 (gate_up)
                 _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
-                             stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16,
-                             CODE_TABLE)
+                             stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
+                             IS_BF16, CODE_TABLE)
             else:  # linear 1 (down)
                 _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
-                             group_base1, out_base1, stream_word, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
-                             BLOCK_ROWS, IS_BF16, CODE_TABLE)
+                             group_base1, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
+                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE)
 
     @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
         blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
         out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte, blob_words,
-        M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
+        MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr,
     ):
         _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
                              out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
-                             blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE)
+                             blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16,
+                             CODE_TABLE)
 
     @triton.jit
     def _residual_decode_group_kernel(
         staging_ptr, pool_ptr, items_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
         qweight0_stride, scales0_stride, qweight1_stride, scales1_stride,
         out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
-        M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, M3: tl.constexpr, RAW: tl.constexpr,
+        MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr,
     ):
@@ -177,8 +178,8 @@ if TRITON_AVAILABLE:
         _decode_expert_tiles(staging_ptr + blob_offset, pool_ptr + out_offset, qweight0_ptr + expert * qweight0_stride,
                              scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
                              scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, tiles, group_base1,
-                             out_base1, stream_word, class_byte, blob_words, M0, M1, M2, M3, RAW, RAW_WIDTH, GROUP,
-                             BLOCK_ROWS, IS_BF16, CODE_TABLE)
+                             out_base1, stream_word, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
+                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE)
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,9 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
                   out: torch.Tensor) -> torch.Tensor:
     """One decode launch on the current stream through Triton's JIT (`decode_expert` with its plan and
     operands prepared; `DecodeLauncher` is the same launch with less host time). Returns `out`."""
-    _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), *MARGINS, RAW_CLASS,
-                                       RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16, plan.code_table)
+    _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), MARGIN_BASE,
+                                       MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16,
+                                       plan.code_table)
     return out
 
 
@@ -236,7 +238,7 @@ class DecodeLauncher:
         self.launch = CompiledLaunch(_residual_decode_kernel, unspecialised=("blob_words",))
         self.group_launch = CompiledLaunch(_residual_decode_group_kernel)
         self.bound_groups, self.bound_buffers = {}, None  # (layer operands, group size) -> bound launch; buffers
-        self.constants = dict(zip(("M0", "M1", "M2", "M3"), MARGINS), RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
+        self.constants = dict(MARGIN_BASE=MARGIN_BASE, MARGIN_STEP=MARGIN_STEP, RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
                               GROUP=plan.group_size, BLOCK_ROWS=BLOCK_ROWS, IS_BF16=plan.is_bf16,
                               CODE_TABLE=plan.code_table)
 

@@ -8,9 +8,10 @@ that rounds the same way everywhere (one multiply of exact operands, then an int
 bits and one step outward), so no per-weight side information travels. Each group (one output row's
 `group_size` inputs) widens its intervals by the smallest of MARGINS (scale units per side) that holds
 all its weights: 1/64 covers round-to-nearest codes (rounded against the float32 scale before it was
-stored in 16 bits); GPTQ codes, where |w/s - q| can exceed 1/2, need wider ones (each doubling of the
-interval costs about one bit). A group that no margin covers (NaN, infinity, codes of another tensor)
-is sent raw, 16 bits per weight.
+stored in 16 bits); GPTQ codes, where |w/s - q| can exceed 1/2, need wider ones, in steps of 11/32 of a
+scale up to 2.08 (each doubling of the interval costs about one bit, so steps finer than a doubling let
+a group pay for the spread it has). A group that no margin covers (NaN, infinity, codes of another
+tensor) is sent raw, 16 bits per weight.
 
 A zero-point weight (q = 0) has the interval [-(1/2 + m)s, (1/2 + m)s], which runs through every binade
 down to zero (about 15 bits wide), while the weights themselves sit in its top binades. Its interval is
@@ -32,8 +33,9 @@ import torch
 
 from specter.quant.int4 import ZERO_POINT
 
-MARGINS = (1.0 / 64, 0.5 + 1.0 / 64, 1.0 + 1.0 / 64, 2.0 + 1.0 / 64)  # per side, in scale units (exact)
-RAW_CLASS = len(MARGINS)
+MARGIN_BASE, MARGIN_STEP = 1.0 / 64, 11.0 / 32  # class k widens by MARGIN_BASE + k MARGIN_STEP (exact in float32)
+MARGINS = tuple(MARGIN_BASE + k * MARGIN_STEP for k in range(7))  # per side, in scale units
+RAW_CLASS = len(MARGINS)  # 7: the margin class takes 3 bits
 RAW_BITS = 16
 WORD = 32
 NO_FOLD = 1 << RAW_BITS  # the fold of a weight whose interval is not folded: no residual reaches it
