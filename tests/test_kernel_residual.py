@@ -58,7 +58,8 @@ def test_blob_splits_back_into_its_linears():
     assert layout.stream_word + gate_up.words.numel() + down.words.numel() == blob.numel()
 
 
-VARIANTS = [dict(), dict(code_table=False), dict(programs=3), dict(programs=5, code_table=False)]
+VARIANTS = [dict(), dict(code_table=False), dict(programs=3), dict(programs=5, code_table=False),
+            dict(block_rows=32, num_warps=8)]
 
 
 def test_a_batched_encode_gives_each_experts_own_blob():
@@ -106,7 +107,8 @@ def test_kernel_decodes_groups_of_every_margin_class(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq", "spread"])
-@pytest.mark.parametrize("variant", VARIANTS, ids=["code-table", "per-weight", "3-programs", "5-programs-per-weight"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["code-table", "per-weight", "3-programs", "5-programs-per-weight",
+                                                   "32-rows-8-warps"])
 def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
     layout, blob, drafts, weights = make_expert(2048, 1408, GROUP_SIZE, dtype, draft)
     drafts = [d.to("cuda") for d in drafts]

@@ -22,7 +22,8 @@ from specter.quant.residual_expert import (  # noqa: F401
     encode_expert,
 )
 
-BLOCK_ROWS = 16
+BLOCK_ROWS = 16  # output rows a program decodes at once (DecodePlan.block_rows)
+NUM_WARPS = 4  # warps of a decode program (DecodePlan.num_warps)
 DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)
 CODE_TABLE = True  # per-row tables of the 16 code intervals (DecodePlan.code_table)
 
@@ -187,24 +188,27 @@ class DecodePlan:
     """What every decode launch of one model's experts shares: the grid, the blob layout's integers and the
     kernel variant. `programs` caps the grid (each program loops over tiles), leaving SMs to the compute
     stream's kernels (0: a program per tile); `code_table` computes each row's 16 code intervals once and
-    looks them up, instead of one interval per weight."""
+    looks them up, instead of one interval per weight; a tile is `block_rows` output rows x one group, and a
+    program runs `num_warps` warps."""
 
     grid: tuple[int]
     layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte
     group_size: int
     is_bf16: bool
     code_table: bool
+    block_rows: int = BLOCK_ROWS
+    num_warps: int = NUM_WARPS
 
     @classmethod
     def of(cls, layout: BlobLayout, dtype: torch.dtype, programs: int = DECODE_PROGRAMS,
-           code_table: bool = CODE_TABLE) -> DecodePlan:
+           code_table: bool = CODE_TABLE, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> DecodePlan:
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
-        tiles = [_cdiv(o, BLOCK_ROWS) * (i // layout.group_size) for o, i in layout.shapes]
+        tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
         args = (*layout.shapes[0], *layout.shapes[1], tiles[0], sum(tiles), layout.group_base(1),
                 layout.output_base(1), layout.stream_word, 4 * layout.class_word)
         grid = (min(programs, sum(tiles)) if programs else sum(tiles),)
-        return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table)
+        return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table, block_rows, num_warps)
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -223,8 +227,8 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
     """One decode launch on the current stream through Triton's JIT (`decode_expert` with its plan and
     operands prepared; `DecodeLauncher` is the same launch with less host time). Returns `out`."""
     _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), MARGIN_BASE,
-                                       MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16,
-                                       plan.code_table)
+                                       MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, plan.block_rows,
+                                       plan.is_bf16, plan.code_table, num_warps=plan.num_warps)
     return out
 
 
@@ -239,8 +243,8 @@ class DecodeLauncher:
         self.group_launch = CompiledLaunch(_residual_decode_group_kernel)
         self.bound_groups, self.bound_buffers = {}, None  # (layer operands, group size) -> bound launch; buffers
         self.constants = dict(MARGIN_BASE=MARGIN_BASE, MARGIN_STEP=MARGIN_STEP, RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
-                              GROUP=plan.group_size, BLOCK_ROWS=BLOCK_ROWS, IS_BF16=plan.is_bf16,
-                              CODE_TABLE=plan.code_table)
+                              GROUP=plan.group_size, BLOCK_ROWS=plan.block_rows, IS_BF16=plan.is_bf16,
+                              CODE_TABLE=plan.code_table, num_warps=plan.num_warps)
 
     def __call__(self, operands: tuple[torch.Tensor, ...], blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.launch(self.plan.grid, blob, out, *operands, *self.plan.layout_args, blob.numel(), **self.constants)
@@ -284,25 +288,24 @@ def group_table(items: list[tuple], pool: torch.Tensor) -> torch.Tensor:
 
 
 def decode_experts(staging: torch.Tensor, pool: torch.Tensor, items: torch.Tensor, layout: BlobLayout,
-                   layer_drafts: list[Int4Linear], programs: int = DECODE_PROGRAMS,
-                   code_table: bool = CODE_TABLE) -> torch.Tensor:
+                   layer_drafts: list[Int4Linear], **variant) -> torch.Tensor:
     """Several experts of one layer at once: for each row (blob offset in `staging` (int32 words), blob
     words, expert, output offset in `pool` (elements)) of `items` [n, 4] int64 (on the device), the expert's
     exact weights into `pool` (16-bit, flat) from its blob in `staging` and its layer's stacked drafts
     (qweight [E, in/8, out], scales [E, in/g, out]); one launch on the current stream. Returns `pool`."""
-    launcher = DecodeLauncher(DecodePlan.of(layout, pool.dtype, programs, code_table))
+    launcher = DecodeLauncher(DecodePlan.of(layout, pool.dtype, **variant))
     launcher.group(expert_operands(layer_drafts, pool.dtype), staging, pool, items)
     return pool
 
 
 def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor,
-                  programs: int = DECODE_PROGRAMS, code_table: bool = CODE_TABLE) -> torch.Tensor:
+                  **variant) -> torch.Tensor:
     """Write the expert's exact weights into `out` (flat, 16-bit, sum(out * in) elements: gate_up then down)
     from `blob` (int32, on the device) and its linears' drafts (qweight [in/8, out], scales [in/g, out], as
-    stored); one launch on the current stream (`DecodePlan` says what programs and code_table do). Returns `out`."""
+    stored); one launch on the current stream (`variant`: `DecodePlan.of`'s keywords). Returns `out`."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("decode_expert needs Triton; decode_expert_reference is the torch reference")
-    plan = DecodePlan.of(layout, out.dtype, programs, code_table)
+    plan = DecodePlan.of(layout, out.dtype, **variant)
     return launch_decode(plan, expert_operands(drafts, out.dtype), blob, out)
 
 
