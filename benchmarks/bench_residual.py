@@ -51,10 +51,12 @@ bench_kernel = sys.modules.setdefault("bench_kernel", importlib.util.module_from
 _spec.loader.exec_module(bench_kernel)  # its median_ms: CUDA-event timing, each call from an idle device
 
 
-DECODE_VARIANTS = {  # the kernel's grid cap, interval tables, tile rows and warps (DecodePlan)
+DECODE_VARIANTS = {  # the kernel's grid cap, interval tables, tile rows, warps, word loads (DecodePlan)
     "per_weight": dict(code_table=False), "32_programs": dict(programs=32), "66_programs": dict(programs=66),
     "8_rows": dict(block_rows=8), "32_rows": dict(block_rows=32), "2_warps": dict(num_warps=2),
-    "8_warps": dict(num_warps=8), "32_rows_8_warps": dict(block_rows=32, num_warps=8)}
+    "8_warps": dict(num_warps=8), "32_rows_8_warps": dict(block_rows=32, num_warps=8),
+    "block_words": dict(block_words=True), "block_words_32_rows": dict(block_words=True, block_rows=32),
+    "packed_table": dict(packed_table=True), "packed_block_words": dict(packed_table=True, block_words=True)}
 
 
 def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:

@@ -1,6 +1,8 @@
 """Residual decode Triton kernel against its torch reference: CPU interpreter cases, expert shapes on CUDA."""
 from tests.triton_mode import interpreted, run_interpreter_cases  # noqa: F401 (before triton)
 
+import functools  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -59,7 +61,8 @@ def test_blob_splits_back_into_its_linears():
 
 
 VARIANTS = [dict(), dict(code_table=False), dict(programs=3), dict(programs=5, code_table=False),
-            dict(block_rows=32, num_warps=8)]
+            dict(block_rows=32, num_warps=8), dict(block_words=True), dict(block_words=True, code_table=False),
+            dict(packed_table=True), dict(packed_table=True, block_words=True, block_rows=32)]
 
 
 def test_a_batched_encode_gives_each_experts_own_blob():
@@ -95,11 +98,13 @@ def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape, varian
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kernel_decodes_groups_of_every_margin_class(dtype):
+@pytest.mark.parametrize("variant", [dict(), dict(block_words=True, packed_table=True)],
+                         ids=["default", "block-words-packed-table"])
+def test_kernel_decodes_groups_of_every_margin_class(dtype, variant):
     layout, blob, drafts, weights = make_expert(256, 128, GROUP_SIZE, dtype, "spread")
     classes = torch.cat([part.margin_class.flatten() for part in split_blob(blob, layout, dtype)])
     assert set(classes.unique().tolist()) == set(range(RAW_CLASS + 1))
-    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights))
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights), **variant)
     assert torch.equal(bits_of(rebuilt), bits_of(weights))
 
 
@@ -108,12 +113,19 @@ def test_kernel_decodes_groups_of_every_margin_class(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq", "spread"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=["code-table", "per-weight", "3-programs", "5-programs-per-weight",
-                                                   "32-rows-8-warps"])
+                                                   "32-rows-8-warps", "block-words", "block-words-per-weight",
+                                                   "packed-table", "packed-table-block-words-32-rows"])
 def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
+    layout, blob, drafts, weights = dsv2_expert(dtype, draft)
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights), **variant)
+    assert torch.equal(bits_of(rebuilt.cpu()), bits_of(weights.cpu()))
+
+
+@functools.cache
+def dsv2_expert(dtype: torch.dtype, draft: str) -> tuple:
+    """`make_expert` at dsv2's expert size on the GPU, encoded once for every variant's test."""
     layout, blob, drafts, weights = make_expert(2048, 1408, GROUP_SIZE, dtype, draft)
-    drafts = [d.to("cuda") for d in drafts]
-    rebuilt = decode_expert(blob.cuda(), layout, drafts, torch.empty_like(weights, device="cuda"), **variant)
-    assert torch.equal(bits_of(rebuilt.cpu()), bits_of(weights))
+    return layout, blob.cuda(), [d.to("cuda") for d in drafts], weights.cuda()
 
 
 @interpreted

@@ -26,6 +26,8 @@ BLOCK_ROWS = 16  # output rows a program decodes at once (DecodePlan.block_rows)
 NUM_WARPS = 4  # warps of a decode program (DecodePlan.num_warps)
 DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)
 CODE_TABLE = True  # per-row tables of the 16 code intervals (DecodePlan.code_table)
+BLOCK_WORDS = False  # each row's group stream loaded once as a block (DecodePlan.block_words)
+PACKED_TABLE = False  # code tables of low and width in one int32, the zero point's in it (DecodePlan.packed_table)
 
 try:
     import triton
@@ -80,7 +82,8 @@ if TRITON_AVAILABLE:
                      group_base, out_base, stream_word, blob_words,
                      MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
                      RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-                     CODE_TABLE: tl.constexpr):
+                     CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+                     PACKED_TABLE: tl.constexpr):
         groups = in_features // GROUP
         group = tile % groups
         rows = (tile // groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
@@ -103,24 +106,39 @@ if TRITON_AVAILABLE:
         low = tl.maximum(_truncated_key((q - 0.5 - margin) * scale, IS_BF16) - 1, 0)
         high = tl.minimum(_truncated_key((q + 0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
         width = _bit_length(tl.maximum(high - low, 0))  # [R, 16] or [R, G]
-        if CODE_TABLE:
-            low = tl.gather(low, code, axis=1)  # [R, G]
-            width = tl.gather(width, code, axis=1)
         # zero-point intervals, folded at zero (residual.fold_zero_point): one per row, [R, 1]
         zero_high = tl.minimum(_truncated_key((0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
         zero_low = tl.maximum(zero_high - (1 << tl.maximum(zero_bits - 1, 0)) + 1, _HALF)
         zero = code == 8  # [R, G]
         fold = tl.where(zero, tl.maximum(zero_high - zero_low + 1, 0), _NO_FOLD)
-        low = tl.where(zero, zero_low, low)
-        width = tl.where(zero, zero_bits, width)
+        if CODE_TABLE and PACKED_TABLE:  # one lookup: low (16 bits) and width above it, code 8's the zero point's
+            at_zero = q == 0.0  # [1, 16]
+            table = tl.where(at_zero, zero_low, low) | (tl.where(at_zero, zero_bits, width) << 16)  # [R, 16]
+            entry = tl.gather(table, code, axis=1)  # [R, G]
+            low, width = entry & 0xFFFF, entry >> 16
+        else:
+            if CODE_TABLE:
+                low = tl.gather(low, code, axis=1)  # [R, G]
+                width = tl.gather(width, code, axis=1)
+            low = tl.where(zero, zero_low, low)
+            width = tl.where(zero, zero_bits, width)
         raw = margin_class == RAW
         width = tl.where(raw, RAW_WIDTH, width)  # [R, G]
         within = tl.cumsum(width, axis=1) - width  # bit offset inside the group
-        word = stream_word + start + (within >> 5)
         shift = (within & 31).to(tl.uint32)
-        w0 = tl.load(blob_ptr + word, mask=row_ok[:, None], other=0).to(tl.uint32, bitcast=True)
-        w1 = tl.load(blob_ptr + word + 1, mask=row_ok[:, None] & (word + 1 < blob_words), other=0)
-        w1 = w1.to(tl.uint32, bitcast=True)
+        if BLOCK_WORDS:  # the rows' group streams (at most GROUP/2 words) once, each weight's words looked up
+            first = within >> 5  # [R, G], below GROUP/2
+            span = stream_word + start + tl.arange(0, GROUP * RAW_WIDTH // 32)[None, :]  # [R, GROUP/2]
+            block = tl.load(blob_ptr + span, mask=row_ok[:, None] & (span < blob_words), other=0)
+            w0 = tl.gather(block, first, axis=1).to(tl.uint32, bitcast=True)
+            # a weight in the group's last word ends in it: its next word, clamped, is masked off below
+            w1 = tl.gather(block, tl.minimum(first + 1, GROUP * RAW_WIDTH // 32 - 1), axis=1).to(tl.uint32,
+                                                                                                bitcast=True)
+        else:
+            word = stream_word + start + (within >> 5)
+            w0 = tl.load(blob_ptr + word, mask=row_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+            w1 = tl.load(blob_ptr + word + 1, mask=row_ok[:, None] & (word + 1 < blob_words), other=0)
+            w1 = w1.to(tl.uint32, bitcast=True)
         pair = (w0 >> shift) | ((w1 << 1) << (31 - shift))  # the 32 bits from the weight's offset
         value = (pair & ((tl.full([BLOCK_ROWS, GROUP], 1, tl.uint32) << width.to(tl.uint32)) - 1)).to(tl.int32)
         key = tl.where(value >= fold, 0xFFFF - (low + value - fold), low + value)
@@ -134,7 +152,8 @@ if TRITON_AVAILABLE:
                              out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
                              blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
                              RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
-                             BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr):
+                             BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr,
+                             BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr):
         """This program's tiles of one expert (every num_programs(0)-th from program_id(0))."""
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
         bits_ptr = out_ptr.to(tl.pointer_type(tl.int16))  # the 16-bit patterns of the weights
@@ -142,11 +161,11 @@ if TRITON_AVAILABLE:
             if tile < tiles0:  # linear 0 (gate_up)
                 _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
                              stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
-                             IS_BF16, CODE_TABLE)
+                             IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
             else:  # linear 1 (down)
                 _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
                              group_base1, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE)
+                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
 
     @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
@@ -154,12 +173,12 @@ if TRITON_AVAILABLE:
         out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte, blob_words,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-        CODE_TABLE: tl.constexpr,
+        CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
     ):
         _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
                              out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
                              blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16,
-                             CODE_TABLE)
+                             CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
 
     @triton.jit
     def _residual_decode_group_kernel(
@@ -168,7 +187,7 @@ if TRITON_AVAILABLE:
         out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-        CODE_TABLE: tl.constexpr,
+        CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
     ):
         """Several experts of one layer, one per program_id(1): items [n, 4] int64 holds each one's blob offset
         in `staging` (words), blob length (words), expert index into the layer's stacked drafts, and output
@@ -180,7 +199,7 @@ if TRITON_AVAILABLE:
                              scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
                              scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, tiles, group_base1,
                              out_base1, stream_word, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE)
+                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
 
 
 @dataclass(frozen=True)
@@ -189,7 +208,9 @@ class DecodePlan:
     kernel variant. `programs` caps the grid (each program loops over tiles), leaving SMs to the compute
     stream's kernels (0: a program per tile); `code_table` computes each row's 16 code intervals once and
     looks them up, instead of one interval per weight; a tile is `block_rows` output rows x one group, and a
-    program runs `num_warps` warps."""
+    program runs `num_warps` warps; `block_words` loads each row's group stream once and looks each weight's
+    two words up in it, instead of loading them per weight; `packed_table` looks each weight's interval up once
+    (low and width in one int32), instead of twice."""
 
     grid: tuple[int]
     layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte
@@ -198,17 +219,21 @@ class DecodePlan:
     code_table: bool
     block_rows: int = BLOCK_ROWS
     num_warps: int = NUM_WARPS
+    block_words: bool = BLOCK_WORDS
+    packed_table: bool = PACKED_TABLE
 
     @classmethod
     def of(cls, layout: BlobLayout, dtype: torch.dtype, programs: int = DECODE_PROGRAMS,
-           code_table: bool = CODE_TABLE, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> DecodePlan:
+           code_table: bool = CODE_TABLE, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
+           block_words: bool = BLOCK_WORDS, packed_table: bool = PACKED_TABLE) -> DecodePlan:
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
         tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
         args = (*layout.shapes[0], *layout.shapes[1], tiles[0], sum(tiles), layout.group_base(1),
                 layout.output_base(1), layout.stream_word, 4 * layout.class_word)
         grid = (min(programs, sum(tiles)) if programs else sum(tiles),)
-        return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table, block_rows, num_warps)
+        return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table, block_rows, num_warps,
+                   block_words, packed_table)
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -228,7 +253,8 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
     operands prepared; `DecodeLauncher` is the same launch with less host time). Returns `out`."""
     _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), MARGIN_BASE,
                                        MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, plan.block_rows,
-                                       plan.is_bf16, plan.code_table, num_warps=plan.num_warps)
+                                       plan.is_bf16, plan.code_table, plan.block_words, plan.packed_table,
+                                       num_warps=plan.num_warps)
     return out
 
 
@@ -244,7 +270,8 @@ class DecodeLauncher:
         self.bound_groups, self.bound_buffers = {}, None  # (layer operands, group size) -> bound launch; buffers
         self.constants = dict(MARGIN_BASE=MARGIN_BASE, MARGIN_STEP=MARGIN_STEP, RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
                               GROUP=plan.group_size, BLOCK_ROWS=plan.block_rows, IS_BF16=plan.is_bf16,
-                              CODE_TABLE=plan.code_table, num_warps=plan.num_warps)
+                              CODE_TABLE=plan.code_table, BLOCK_WORDS=plan.block_words,
+                              PACKED_TABLE=plan.packed_table, num_warps=plan.num_warps)
 
     def __call__(self, operands: tuple[torch.Tensor, ...], blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.launch(self.plan.grid, blob, out, *operands, *self.plan.layout_args, blob.numel(), **self.constants)
