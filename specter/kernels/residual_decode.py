@@ -78,8 +78,8 @@ if TRITON_AVAILABLE:
         return tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _decode_tile(blob_ptr, class_ptr, out_ptr, qweight_ptr, scales_ptr, tile, out_features, in_features,
-                     group_base, out_base, stream_word, blob_words,
+    def _decode_tile(blob_ptr, count_ptr, class_ptr, out_ptr, qweight_ptr, scales_ptr, tile, out_features,
+                     in_features, group_base, row_base, out_base, stream_word, blob_words,
                      MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
                      RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
                      CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
@@ -97,7 +97,10 @@ if TRITON_AVAILABLE:
         class_byte = tl.load(class_ptr + index, mask=row_ok, other=RAW).to(tl.int32)[:, None]  # [R, 1]
         margin_class = class_byte & _CLASS_MASK
         zero_bits = class_byte >> _ZERO_WIDTH_SHIFT  # the group's zero width
-        start = tl.load(blob_ptr + index, mask=row_ok, other=0)[:, None]
+        start = tl.load(blob_ptr + row_base + rows, mask=row_ok, other=0)  # [R] the rows' first words
+        for before in range(group):  # plus the word counts of the row's groups before this one
+            start += tl.load(count_ptr + index - group + before, mask=row_ok, other=0).to(tl.int32)
+        start = start[:, None]
         margin = margin_class.to(tl.float32) * MARGIN_STEP + MARGIN_BASE  # residual.MARGINS, exact in float32
         if CODE_TABLE:  # each row's 16 intervals once, then looked up by code
             q = (tl.arange(0, 16).to(tl.float32) - 8.0)[None, :]  # [1, 16]
@@ -149,42 +152,43 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
-                             blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
+                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte,
+                             class_byte, blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
                              RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
                              BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr,
                              BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr):
         """This program's tiles of one expert (every num_programs(0)-th from program_id(0))."""
+        count_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + count_byte  # the groups' word counts, a byte each
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
         bits_ptr = out_ptr.to(tl.pointer_type(tl.int16))  # the 16-bit patterns of the weights
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):  # a grid below `tiles` leaves SMs free
             if tile < tiles0:  # linear 0 (gate_up)
-                _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0, 0, 0,
-                             stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
-                             IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
+                _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0,
+                             0, 0, 0, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP,
+                             BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
             else:  # linear 1 (down)
-                _decode_tile(blob_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1, in1,
-                             group_base1, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
+                _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1,
+                             in1, group_base1, out0, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
                              RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
 
     @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
         blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte, blob_words,
+        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte, class_byte, blob_words,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
     ):
         _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
-                             blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16,
-                             CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
+                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte,
+                             class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
+                             IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
 
     @triton.jit
     def _residual_decode_group_kernel(
         staging_ptr, pool_ptr, items_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
         qweight0_stride, scales0_stride, qweight1_stride, scales1_stride,
-        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte,
+        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte, class_byte,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
@@ -198,7 +202,7 @@ if TRITON_AVAILABLE:
         _decode_expert_tiles(staging_ptr + blob_offset, pool_ptr + out_offset, qweight0_ptr + expert * qweight0_stride,
                              scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
                              scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, tiles, group_base1,
-                             out_base1, stream_word, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
+                             out_base1, stream_word, count_byte, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
                              RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
 
 
@@ -213,7 +217,8 @@ class DecodePlan:
     (low and width in one int32), instead of twice."""
 
     grid: tuple[int]
-    layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, class_byte
+    layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word,
+    # count_byte, class_byte
     group_size: int
     is_bf16: bool
     code_table: bool
@@ -230,7 +235,7 @@ class DecodePlan:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
         tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
         args = (*layout.shapes[0], *layout.shapes[1], tiles[0], sum(tiles), layout.group_base(1),
-                layout.output_base(1), layout.stream_word, 4 * layout.class_word)
+                layout.output_base(1), layout.stream_word, 4 * layout.count_word, 4 * layout.class_word)
         grid = (min(programs, sum(tiles)) if programs else sum(tiles),)
         return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table, block_rows, num_warps,
                    block_words, packed_table)

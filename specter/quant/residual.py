@@ -60,9 +60,10 @@ class ResidualTensor:
     group_size: int
 
     def nbytes(self) -> int:
-        """Bytes that cross PCIe: the stream (4 bytes a word), and per group one int32 start and one byte of
-        margin class and zero width."""
-        return self.words.numel() * 4 + self.margin_class.numel() * 5
+        """Bytes that cross PCIe in an expert's blob (`residual_expert`): the stream (4 bytes a word), per group
+        its word count and its byte of margin class and zero width, per output row its int32 word start."""
+        rows = self.margin_class.numel() // max(self.margin_class.shape[-1], 1)
+        return self.words.numel() * 4 + self.margin_class.numel() * 2 + rows * 4
 
     @property
     def raw(self) -> torch.Tensor:

@@ -3,13 +3,15 @@
 An expert's linears (gate_up [2I, H], then down [H, I]) are encoded with `specter.quant.residual.encode`
 against the draft's codes and concatenated into one blob of int32 words:
 
-    [ word start of every group (int32, linear after linear, row-major)   total_groups words
+    [ word start of every output row (int32, linear after linear)        total_rows words
+    | word count of every group (uint8, 4 per word, row-major)            ceil(total_groups / 4) words
     | class byte of every group (uint8, 4 per word, same order)           ceil(total_groups / 4) words
     | the linears' bit streams, one after the other                       the rest ]
 
-A group's class byte holds its margin class (bits 0-2) and its zero width (bits 3-7); its word start counts
-from the first stream word. Every expert of a model has the same header; only
-the stream length differs, so one `BlobLayout` describes them all.
+A group's stream starts at its row's word start plus the word counts of the row's groups before it, counted
+from the first stream word (a group takes at most group_size / 2 words: a byte holds its count). Its class
+byte holds its margin class (bits 0-2) and its zero width (bits 3-7). Every expert of a model has the same
+header; only the stream length differs, so one `BlobLayout` describes them all.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from specter.quant.int4 import Int4Linear, unpack_codes
 from specter.quant.residual import ResidualTensor, decode, encode, stream_as_int32
 
-CLASSES_PER_WORD = 4
+BYTES_PER_WORD = 4
 ZERO_WIDTH_SHIFT = 3  # a class byte: margin class in bits 0-2, zero width above
 
 
@@ -44,15 +46,24 @@ class BlobLayout:
     def total_groups(self) -> int:
         return self.group_base(len(self.shapes))
 
+    def row_base(self, part: int) -> int:
+        """Index of the part's first output row among all the expert's rows (the word of its start)."""
+        return sum(out_features for out_features, _ in self.shapes[:part])
+
+    @property
+    def count_word(self) -> int:
+        """The first word of the groups' word counts."""
+        return self.row_base(len(self.shapes))
+
     @property
     def class_word(self) -> int:
         """The first word of the margin classes."""
-        return self.total_groups
+        return self.count_word + math.ceil(self.total_groups / BYTES_PER_WORD)
 
     @property
     def stream_word(self) -> int:
         """The first word of the bit streams."""
-        return self.total_groups + math.ceil(self.total_groups / CLASSES_PER_WORD)
+        return self.class_word + math.ceil(self.total_groups / BYTES_PER_WORD)
 
     def output_base(self, part: int) -> int:
         """Element offset of the part's weights in the expert's flat buffer (gate_up, then down)."""
@@ -88,27 +99,39 @@ def encode_experts(weights: list[torch.Tensor], drafts: list[Int4Linear]) -> lis
 
 def expert_blob(parts: list[ResidualTensor]) -> torch.Tensor:
     """One expert's linears, each with its own stream, as the blob of the module docstring."""
-    starts, stream_words = [], 0
+    row_starts, counts, stream_words = [], [], 0
     for part in parts:
-        starts.append(part.word_start.flatten() + stream_words)
+        start = part.word_start + stream_words  # [out, in/g]
+        end = torch.cat([start.flatten()[1:], start.new_tensor([stream_words + part.words.numel()])])
+        row_starts.append(start[:, 0])
+        counts.append(end - start.flatten())  # [out * in/g] words of each group
         stream_words += part.words.numel()
+    counts = torch.cat(counts)
+    if counts.numel() and int(counts.max()) > 255:
+        raise ValueError(f"a group of {int(counts.max())} words does not fit the blob's count byte")
     classes = torch.cat([(p.margin_class | (p.zero_width << ZERO_WIDTH_SHIFT)).flatten() for p in parts])
-    classes = torch.cat([classes, classes.new_zeros(-classes.numel() % CLASSES_PER_WORD)])
-    return torch.cat([torch.cat(starts).to(torch.int32), classes.view(torch.int32)]
+    return torch.cat([torch.cat(row_starts).to(torch.int32), as_words(counts.to(torch.uint8)), as_words(classes)]
                      + [stream_as_int32(p.words) for p in parts])
+
+
+def as_words(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values [n] as int32 words, zero-padded to whole words."""
+    return torch.cat([values, values.new_zeros(-values.numel() % BYTES_PER_WORD)]).view(torch.int32)
 
 
 def split_blob(blob: torch.Tensor, layout: BlobLayout, dtype: torch.dtype) -> list[ResidualTensor]:
     """The blob's linears as `ResidualTensor`s (each with its own stream), the inverse of `encode_expert`."""
     blob = blob.cpu()
     words = blob[layout.stream_word:].to(torch.int64) & 0xFFFFFFFF
+    counts = blob[layout.count_word:layout.class_word].view(torch.uint8).to(torch.int64)
     classes = blob[layout.class_word:layout.stream_word].view(torch.uint8)
     parts = []
     for part, (out_features, in_features) in enumerate(layout.shapes):
-        base, groups = layout.group_base(part), layout.groups(part)
+        base, groups, row = layout.group_base(part), layout.groups(part), layout.row_base(part)
         shape = (out_features, in_features // layout.group_size)
-        start = blob[base:base + groups].to(torch.int64).view(shape)
-        end = int(blob[base + groups]) if part + 1 < len(layout.shapes) else words.numel()
+        count = counts[base:base + groups].view(shape)
+        start = blob[row:row + out_features].to(torch.int64).unsqueeze(-1) + torch.cumsum(count, -1) - count
+        end = int(blob[row + out_features]) if part + 1 < len(layout.shapes) else words.numel()
         first = int(start.flatten()[0]) if groups else 0
         class_bytes = classes[base:base + groups].view(shape)
         parts.append(ResidualTensor(class_bytes & ((1 << ZERO_WIDTH_SHIFT) - 1), class_bytes >> ZERO_WIDTH_SHIFT,
