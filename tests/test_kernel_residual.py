@@ -60,6 +60,12 @@ def test_blob_splits_back_into_its_linears():
     assert layout.stream_word + gate_up.words.numel() + down.words.numel() == blob.numel()
 
 
+def test_a_group_longer_than_its_count_byte_is_refused():
+    """A group's word count takes a byte: groups of 1024 weights (up to 512 words) do not fit the blob."""
+    with pytest.raises(ValueError, match="count byte"):
+        make_expert(1024, 1024, 1024, torch.bfloat16, "rtn")
+
+
 VARIANTS = [dict(), dict(code_table=False), dict(programs=3), dict(programs=5, code_table=False),
             dict(block_rows=32, num_warps=8), dict(block_words=True), dict(block_words=True, code_table=False),
             dict(packed_table=True), dict(packed_table=True, block_words=True, block_rows=32)]
