@@ -106,9 +106,9 @@ class ResidualExpertStore:
     def expert_drafts(self, layer: int, expert: int) -> list[Int4Linear]:
         return [select_expert(draft, expert) for draft in self.drafts[layer]]
 
-    def launcher(self, programs: int = 0) -> DecodeLauncher | None:
-        """The decode launches, with a grid of at most `programs` (0: no cap); None without the kernel."""
-        return DecodeLauncher(DecodePlan.of(self.layout, self.dtype, programs)) if self.use_kernel else None
+    def launcher(self) -> DecodeLauncher | None:
+        """The decode launches (the kernel's default plan); None without the kernel."""
+        return DecodeLauncher(DecodePlan.of(self.layout, self.dtype)) if self.use_kernel else None
 
     def decode(self, layer: int, expert: int, launcher: DecodeLauncher | None, blob: torch.Tensor,
                out: torch.Tensor) -> torch.Tensor:
