@@ -5,13 +5,16 @@ one expert (gate, up and down projections) of seeded weights and checks that dec
 for bit. It also measures what an entropy code could save: the empirical entropy of the residuals in each
 (margin class, width) bucket, the bits an ideal static code per bucket would spend on the stream (its tables
 not counted: a lower bound), against the fixed-width stream, overall, per margin class, and split between the
-weights whose code is the zero point (an interval over every binade below half a scale) and the others.
+weights whose code is the zero point (an interval over every binade below half a scale) and the others; and what
+a kernel-friendly code spends: a Huffman code per bucket on each residual's top bits, the rest sent as they are,
+its tables counted (4 bits a code length).
 
     python scripts/residual_bits.py --models dsv2 qwen --out results/reference/residual-bits
 """
 from __future__ import annotations
 
 import argparse
+import heapq
 import sys
 from pathlib import Path
 
@@ -27,6 +30,8 @@ from specter.quant.residual import (MARGINS, RAW_BITS, ResidualTensor, bits_of, 
                                     decode, encode, fold_residuals, intervals, order_keys)
 
 STD = 0.02  # weight scale of the seeded draws (the law's spread; the ratio does not depend on it much)
+HUFFMAN_TOP_BITS = (4, 6, 8)  # top bits of a residual that the practical code Huffman-codes per bucket
+TABLE_BITS = 4  # bits a code length takes in a bucket's table
 
 
 def expert_shapes(name: str) -> list[tuple[int, int]]:
@@ -77,6 +82,47 @@ def stream_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def huffman_lengths(counts: list[int]) -> dict[int, int]:
+    """Code length of each symbol with a non-zero count in an optimal prefix code (Huffman)."""
+    heap = [(count, symbol, [symbol]) for symbol, count in enumerate(counts) if count]
+    lengths = {symbol: 0 for _, symbol, _ in heap}
+    if len(heap) == 1:
+        return {heap[0][1]: 1}
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        (count_a, tie, a), (count_b, _, b) = heapq.heappop(heap), heapq.heappop(heap)
+        for symbol in a + b:
+            lengths[symbol] += 1
+        heapq.heappush(heap, (count_a + count_b, tie, a + b))
+    return lengths
+
+
+def practical_saving_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                          encoded: ResidualTensor) -> list[float]:
+    """Stream bits the top-bits Huffman code saves on the non-raw weights, one per HUFFMAN_TOP_BITS."""
+    cls = encoded.margin_class.repeat_interleave(encoded.group_size, dim=-1).flatten().long()  # [weights]
+    keep = cls < len(MARGINS)
+    value, width = (part[keep] for part in residuals_of(weight, codes, scales, encoded))
+    bucket = cls[keep] * 32 + width
+    fixed = width.sum().item()
+    return [fixed - top_bits_code_bits(value, width, bucket, top) for top in HUFFMAN_TOP_BITS]
+
+
+def top_bits_code_bits(value: torch.Tensor, width: torch.Tensor, bucket: torch.Tensor, top: int) -> float:
+    """Bits of a code that Huffman-codes each residual's `top` high bits per bucket (tables counted) and sends
+    its other bits as they are."""
+    bits = 0.0
+    for key in torch.unique(bucket).tolist():
+        mine = bucket == key
+        wide = int(width[mine][0])
+        high = min(top, wide)
+        counts = torch.bincount(value[mine] >> (wide - high), minlength=2**high).tolist()
+        lengths = huffman_lengths(counts)
+        bits += sum(counts[s] * n for s, n in lengths.items()) + mine.sum().item() * (wide - high)
+        bits += 2**high * TABLE_BITS
+    return bits
+
+
 def residuals_of(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  encoded: ResidualTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual, width) of every weight in its encoded interval, flat int64 (raw groups' are meaningless)."""
@@ -113,6 +159,7 @@ def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) 
     generator = torch.Generator().manual_seed(seed)
     sent, weights, classes = 0, 0, torch.zeros(len(MARGINS) + 1, dtype=torch.int64)
     bits, split = torch.zeros(len(MARGINS) + 1, 3, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64)
+    practical = torch.zeros(len(HUFFMAN_TOP_BITS), dtype=torch.float64)
     for shape in expert_shapes(name):
         weight = draw(shape, law, generator).to(dtype)
         codes, scales = codes_and_scales(weight, draft, generator)
@@ -124,6 +171,7 @@ def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) 
         weights += weight.numel()
         bits += stream_bits(weight, codes, scales, encoded)
         split += zero_code_split(weight, codes, scales, encoded)
+        practical += torch.tensor(practical_saving_bits(weight, codes, scales, encoded), dtype=torch.float64)
         classes += torch.bincount(encoded.margin_class.flatten().long(), minlength=len(MARGINS) + 1)
     share = (classes.float() / classes.sum()).tolist()
     fixed, ideal = bits[:, 0].sum().item(), bits[:, 1].sum().item()
@@ -135,6 +183,8 @@ def measure(name: str, dtype: torch.dtype, law: str, draft: str, seed: int = 0) 
             "stream_bits_per_weight": round(fixed / weights, 3),
             "entropy_bits_per_weight": round(ideal / weights, 3),
             "entropy_saving_of_sent": round((fixed - ideal) / (sent * 8), 4),
+            **{f"huffman_top{top}_saving_of_sent": round(saved.item() / (sent * 8), 4)
+               for top, saved in zip(HUFFMAN_TOP_BITS, practical)},
             "class_stream_bits": per_class(0), "class_entropy_bits": per_class(1),
             "zero_code_share": round(split[0, 0].item() / weights, 4),
             "zero_code_bits": f"{split[0, 1] / split[0, 0]:.2f} {split[0, 2] / split[0, 0]:.2f}",

@@ -170,6 +170,16 @@ def test_the_bits_script_measures_a_tiny_expert(monkeypatch):
     total_saving = rtn["stream_bits_per_weight"] - rtn["entropy_bits_per_weight"]
     parts = rtn["zero_code_saving_bits_per_weight"] + rtn["other_saving_bits_per_weight"]
     assert parts >= total_saving - 0.01  # split buckets fit at least as well
+    for top in script.HUFFMAN_TOP_BITS:  # a real code spends at least the entropy of what it codes
+        assert rtn[f"huffman_top{top}_saving_of_sent"] <= rtn["entropy_saving_of_sent"] + 1e-4
+
+
+def test_huffman_lengths_are_optimal_and_prefix_free():
+    script = load_script("residual_bits")
+    assert script.huffman_lengths([1, 1, 2, 0]) == {0: 2, 1: 2, 2: 1}
+    assert script.huffman_lengths([0, 5]) == {1: 1}
+    lengths = script.huffman_lengths([1, 2, 4, 8, 16, 32])
+    assert sum(2.0 ** -n for n in lengths.values()) == 1.0 and lengths[5] == 1 and lengths[0] == 5
 
 
 def test_bit_length_is_exact_for_every_span():
