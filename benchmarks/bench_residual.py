@@ -56,7 +56,10 @@ DECODE_VARIANTS = {  # the kernel's grid cap, interval tables, tile rows, warps,
     "8_rows": dict(block_rows=8), "32_rows": dict(block_rows=32), "2_warps": dict(num_warps=2),
     "8_warps": dict(num_warps=8), "32_rows_8_warps": dict(block_rows=32, num_warps=8),
     "block_words": dict(block_words=True), "block_words_32_rows": dict(block_words=True, block_rows=32),
-    "packed_table": dict(packed_table=True), "packed_block_words": dict(packed_table=True, block_words=True)}
+    "packed_table": dict(packed_table=True), "packed_block_words": dict(packed_table=True, block_words=True),
+    "vector_counts": dict(vector_counts=True), "vector_counts_packed": dict(vector_counts=True, packed_table=True),
+    "vector_counts_block_words": dict(vector_counts=True, block_words=True),
+    "vector_counts_32_rows": dict(vector_counts=True, block_rows=32)}
 
 
 def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:

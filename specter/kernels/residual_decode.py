@@ -28,6 +28,7 @@ DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)
 CODE_TABLE = True  # per-row tables of the 16 code intervals (DecodePlan.code_table)
 BLOCK_WORDS = False  # each row's group stream loaded once as a block (DecodePlan.block_words)
 PACKED_TABLE = False  # code tables of low and width in one int32, the zero point's in it (DecodePlan.packed_table)
+VECTOR_COUNTS = False  # a row's earlier groups' word counts in one masked load (DecodePlan.vector_counts)
 
 try:
     import triton
@@ -83,7 +84,8 @@ if TRITON_AVAILABLE:
                      MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
                      RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
                      CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
-                     PACKED_TABLE: tl.constexpr):
+                     PACKED_TABLE: tl.constexpr,
+                     VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr):
         groups = in_features // GROUP
         group = tile % groups
         rows = (tile // groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
@@ -98,8 +100,14 @@ if TRITON_AVAILABLE:
         margin_class = class_byte & _CLASS_MASK
         zero_bits = class_byte >> _ZERO_WIDTH_SHIFT  # the group's zero width
         start = tl.load(blob_ptr + row_base + rows, mask=row_ok, other=0)  # [R] the rows' first words
-        for before in range(group):  # plus the word counts of the row's groups before this one
-            start += tl.load(count_ptr + index - group + before, mask=row_ok, other=0).to(tl.int32)
+        if VECTOR_COUNTS:  # plus the word counts of the row's groups before this one, in one load
+            before = tl.arange(0, MAX_GROUPS)[None, :]  # [1, M]
+            counts = tl.load(count_ptr + (index - group)[:, None] + before, mask=row_ok[:, None] & (before < group),
+                             other=0)  # [R, M]
+            start += tl.sum(counts.to(tl.int32), axis=1)
+        else:
+            for before in range(group):  # plus the word counts of the row's groups before this one
+                start += tl.load(count_ptr + index - group + before, mask=row_ok, other=0).to(tl.int32)
         start = start[:, None]
         margin = margin_class.to(tl.float32) * MARGIN_STEP + MARGIN_BASE  # residual.MARGINS, exact in float32
         if CODE_TABLE:  # each row's 16 intervals once, then looked up by code
@@ -156,7 +164,8 @@ if TRITON_AVAILABLE:
                              class_byte, blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
                              RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
                              BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr,
-                             BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr):
+                             BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
+                             VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr):
         """This program's tiles of one expert (every num_programs(0)-th from program_id(0))."""
         count_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + count_byte  # the groups' word counts, a byte each
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
@@ -165,11 +174,13 @@ if TRITON_AVAILABLE:
             if tile < tiles0:  # linear 0 (gate_up)
                 _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0,
                              0, 0, 0, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP,
-                             BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
+                             BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
+                             VECTOR_COUNTS, MAX_GROUPS)
             else:  # linear 1 (down)
                 _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1,
                              in1, group_base1, out0, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
+                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
+                             VECTOR_COUNTS, MAX_GROUPS)
 
     @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
@@ -178,11 +189,13 @@ if TRITON_AVAILABLE:
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
+        VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
     ):
         _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
                              out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte,
                              class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
-                             IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
+                             IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
+                             VECTOR_COUNTS, MAX_GROUPS)
 
     @triton.jit
     def _residual_decode_group_kernel(
@@ -192,6 +205,7 @@ if TRITON_AVAILABLE:
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
+        VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
     ):
         """Several experts of one layer, one per program_id(1): items [n, 4] int64 holds each one's blob offset
         in `staging` (words), blob length (words), expert index into the layer's stacked drafts, and output
@@ -203,7 +217,8 @@ if TRITON_AVAILABLE:
                              scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
                              scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, tiles, group_base1,
                              out_base1, stream_word, count_byte, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE)
+                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
+                             VECTOR_COUNTS, MAX_GROUPS)
 
 
 @dataclass(frozen=True)
@@ -214,7 +229,8 @@ class DecodePlan:
     looks them up, instead of one interval per weight; a tile is `block_rows` output rows x one group, and a
     program runs `num_warps` warps; `block_words` loads each row's group stream once and looks each weight's
     two words up in it, instead of loading them per weight; `packed_table` looks each weight's interval up once
-    (low and width in one int32), instead of twice."""
+    (low and width in one int32), instead of twice; `vector_counts` sums a row's earlier groups' word counts
+    from one masked load of `max_groups` (a power of two, at least a row's groups), instead of a load per group."""
 
     grid: tuple[int]
     layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word,
@@ -226,19 +242,23 @@ class DecodePlan:
     num_warps: int = NUM_WARPS
     block_words: bool = BLOCK_WORDS
     packed_table: bool = PACKED_TABLE
+    vector_counts: bool = VECTOR_COUNTS
+    max_groups: int = 1
 
     @classmethod
     def of(cls, layout: BlobLayout, dtype: torch.dtype, programs: int = DECODE_PROGRAMS,
            code_table: bool = CODE_TABLE, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
-           block_words: bool = BLOCK_WORDS, packed_table: bool = PACKED_TABLE) -> DecodePlan:
+           block_words: bool = BLOCK_WORDS, packed_table: bool = PACKED_TABLE,
+           vector_counts: bool = VECTOR_COUNTS) -> DecodePlan:
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
         tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
         args = (*layout.shapes[0], *layout.shapes[1], tiles[0], sum(tiles), layout.group_base(1),
                 layout.output_base(1), layout.stream_word, 4 * layout.count_word, 4 * layout.class_word)
         grid = (min(programs, sum(tiles)) if programs else sum(tiles),)
+        groups = max(i // layout.group_size for _, i in layout.shapes)
         return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table, block_rows, num_warps,
-                   block_words, packed_table)
+                   block_words, packed_table, vector_counts, 1 << (groups - 1).bit_length())
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -259,7 +279,7 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
     _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), MARGIN_BASE,
                                        MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, plan.block_rows,
                                        plan.is_bf16, plan.code_table, plan.block_words, plan.packed_table,
-                                       num_warps=plan.num_warps)
+                                       plan.vector_counts, plan.max_groups, num_warps=plan.num_warps)
     return out
 
 
@@ -276,7 +296,8 @@ class DecodeLauncher:
         self.constants = dict(MARGIN_BASE=MARGIN_BASE, MARGIN_STEP=MARGIN_STEP, RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
                               GROUP=plan.group_size, BLOCK_ROWS=plan.block_rows, IS_BF16=plan.is_bf16,
                               CODE_TABLE=plan.code_table, BLOCK_WORDS=plan.block_words,
-                              PACKED_TABLE=plan.packed_table, num_warps=plan.num_warps)
+                              PACKED_TABLE=plan.packed_table, VECTOR_COUNTS=plan.vector_counts,
+                              MAX_GROUPS=plan.max_groups, num_warps=plan.num_warps)
 
     def __call__(self, operands: tuple[torch.Tensor, ...], blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.launch(self.plan.grid, blob, out, *operands, *self.plan.layout_args, blob.numel(), **self.constants)
