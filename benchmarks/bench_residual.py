@@ -59,7 +59,9 @@ DECODE_VARIANTS = {  # the kernel's grid cap, interval tables, tile rows, warps,
     "packed_table": dict(packed_table=True), "packed_block_words": dict(packed_table=True, block_words=True),
     "vector_counts": dict(vector_counts=True), "vector_counts_packed": dict(vector_counts=True, packed_table=True),
     "vector_counts_block_words": dict(vector_counts=True, block_words=True),
-    "vector_counts_32_rows": dict(vector_counts=True, block_rows=32)}
+    "vector_counts_32_rows": dict(vector_counts=True, block_rows=32), "word_codes": dict(word_codes=True),
+    "vector_counts_word_codes": dict(vector_counts=True, word_codes=True),
+    "vector_counts_word_codes_packed": dict(vector_counts=True, word_codes=True, packed_table=True)}
 
 
 def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:

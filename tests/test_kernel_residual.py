@@ -69,7 +69,8 @@ def test_a_group_longer_than_its_count_byte_is_refused():
 VARIANTS = [dict(), dict(code_table=False), dict(programs=3), dict(programs=5, code_table=False),
             dict(block_rows=32, num_warps=8), dict(block_words=True), dict(block_words=True, code_table=False),
             dict(packed_table=True), dict(packed_table=True, block_words=True, block_rows=32), dict(vector_counts=True),
-            dict(vector_counts=True, packed_table=True, block_rows=32)]
+            dict(vector_counts=True, packed_table=True, block_rows=32), dict(word_codes=True),
+            dict(word_codes=True, vector_counts=True, code_table=False)]
 
 
 def test_a_batched_encode_gives_each_experts_own_blob():
@@ -105,8 +106,8 @@ def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape, varian
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("variant", [dict(), dict(block_words=True, packed_table=True), dict(vector_counts=True)],
-                         ids=["default", "block-words-packed-table", "vector-counts"])
+@pytest.mark.parametrize("variant", [dict(), dict(block_words=True, packed_table=True), dict(vector_counts=True, word_codes=True)],
+                         ids=["default", "block-words-packed-table", "vector-counts-word-codes"])
 def test_kernel_decodes_groups_of_every_margin_class(dtype, variant):
     layout, blob, drafts, weights = make_expert(256, 128, GROUP_SIZE, dtype, "spread")
     classes = torch.cat([part.margin_class.flatten() for part in split_blob(blob, layout, dtype)])
@@ -122,7 +123,8 @@ def test_kernel_decodes_groups_of_every_margin_class(dtype, variant):
 @pytest.mark.parametrize("variant", VARIANTS, ids=["code-table", "per-weight", "3-programs", "5-programs-per-weight",
                                                    "32-rows-8-warps", "block-words", "block-words-per-weight",
                                                    "packed-table", "packed-table-block-words-32-rows",
-                                                   "vector-counts", "vector-counts-packed-table-32-rows"])
+                                                   "vector-counts", "vector-counts-packed-table-32-rows",
+                                                   "word-codes", "word-codes-vector-counts-per-weight"])
 def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
     layout, blob, drafts, weights = dsv2_expert(dtype, draft)
     rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights), **variant)

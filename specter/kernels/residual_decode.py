@@ -29,6 +29,7 @@ CODE_TABLE = True  # per-row tables of the 16 code intervals (DecodePlan.code_ta
 BLOCK_WORDS = False  # each row's group stream loaded once as a block (DecodePlan.block_words)
 PACKED_TABLE = False  # code tables of low and width in one int32, the zero point's in it (DecodePlan.packed_table)
 VECTOR_COUNTS = False  # a row's earlier groups' word counts in one masked load (DecodePlan.vector_counts)
+WORD_CODES = False  # each packed code word loaded once and split (DecodePlan.word_codes)
 
 try:
     import triton
@@ -85,15 +86,23 @@ if TRITON_AVAILABLE:
                      RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
                      CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
                      PACKED_TABLE: tl.constexpr,
-                     VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr):
+                     VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
+        WORD_CODES: tl.constexpr):
         groups = in_features // GROUP
         group = tile % groups
         rows = (tile // groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
         row_ok = rows < out_features
         cols = group * GROUP + tl.arange(0, GROUP)  # [G]
-        packed = tl.load(qweight_ptr + (cols // 8)[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
-                         other=0)  # [R, G], qweight [in/8, out]
-        code = (packed >> ((cols % 8) * 4)[None, :]) & 0xF  # [R, G] in 0..15
+        if WORD_CODES:  # each packed word once, split into its 8 codes
+            words = group * (GROUP // 8) + tl.arange(0, GROUP // 8)  # [G/8]
+            packed = tl.load(qweight_ptr + words[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
+                             other=0)  # [R, G/8], qweight [in/8, out]
+            nibble = (tl.arange(0, 8) * 4)[None, None, :]  # [1, 1, 8]
+            code = tl.reshape((packed[:, :, None] >> nibble) & 0xF, (BLOCK_ROWS, GROUP))  # [R, G] in 0..15
+        else:
+            packed = tl.load(qweight_ptr + (cols // 8)[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
+                             other=0)  # [R, G], qweight [in/8, out]
+            code = (packed >> ((cols % 8) * 4)[None, :]) & 0xF  # [R, G] in 0..15
         scale = _scale_of(scales_ptr, group * out_features + rows, row_ok, IS_BF16)[:, None]  # scales [in/g, out]
         index = group_base + rows * groups + group  # [R] the groups' indices in the blob
         class_byte = tl.load(class_ptr + index, mask=row_ok, other=RAW).to(tl.int32)[:, None]  # [R, 1]
@@ -165,7 +174,8 @@ if TRITON_AVAILABLE:
                              RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
                              BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr,
                              BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
-                             VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr):
+                             VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
+        WORD_CODES: tl.constexpr):
         """This program's tiles of one expert (every num_programs(0)-th from program_id(0))."""
         count_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + count_byte  # the groups' word counts, a byte each
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
@@ -175,12 +185,12 @@ if TRITON_AVAILABLE:
                 _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0,
                              0, 0, 0, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP,
                              BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS)
+                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
             else:  # linear 1 (down)
                 _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1,
                              in1, group_base1, out0, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
                              RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS)
+                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
 
     @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
@@ -190,12 +200,13 @@ if TRITON_AVAILABLE:
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
         VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
+        WORD_CODES: tl.constexpr,
     ):
         _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
                              out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte,
                              class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
                              IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS)
+                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
 
     @triton.jit
     def _residual_decode_group_kernel(
@@ -206,6 +217,7 @@ if TRITON_AVAILABLE:
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
         CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
         VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
+        WORD_CODES: tl.constexpr,
     ):
         """Several experts of one layer, one per program_id(1): items [n, 4] int64 holds each one's blob offset
         in `staging` (words), blob length (words), expert index into the layer's stacked drafts, and output
@@ -218,7 +230,7 @@ if TRITON_AVAILABLE:
                              scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, tiles, group_base1,
                              out_base1, stream_word, count_byte, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
                              RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS)
+                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
 
 
 @dataclass(frozen=True)
@@ -230,7 +242,8 @@ class DecodePlan:
     program runs `num_warps` warps; `block_words` loads each row's group stream once and looks each weight's
     two words up in it, instead of loading them per weight; `packed_table` looks each weight's interval up once
     (low and width in one int32), instead of twice; `vector_counts` sums a row's earlier groups' word counts
-    from one masked load of `max_groups` (a power of two, at least a row's groups), instead of a load per group."""
+    from one masked load of `max_groups` (a power of two, at least a row's groups), instead of a load per group;
+    `word_codes` loads each packed word of 8 codes once and splits it, instead of once per code."""
 
     grid: tuple[int]
     layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word,
@@ -244,12 +257,13 @@ class DecodePlan:
     packed_table: bool = PACKED_TABLE
     vector_counts: bool = VECTOR_COUNTS
     max_groups: int = 1
+    word_codes: bool = WORD_CODES
 
     @classmethod
     def of(cls, layout: BlobLayout, dtype: torch.dtype, programs: int = DECODE_PROGRAMS,
            code_table: bool = CODE_TABLE, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
            block_words: bool = BLOCK_WORDS, packed_table: bool = PACKED_TABLE,
-           vector_counts: bool = VECTOR_COUNTS) -> DecodePlan:
+           vector_counts: bool = VECTOR_COUNTS, word_codes: bool = WORD_CODES) -> DecodePlan:
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
         tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
@@ -258,7 +272,7 @@ class DecodePlan:
         grid = (min(programs, sum(tiles)) if programs else sum(tiles),)
         groups = max(i // layout.group_size for _, i in layout.shapes)
         return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table, block_rows, num_warps,
-                   block_words, packed_table, vector_counts, 1 << (groups - 1).bit_length())
+                   block_words, packed_table, vector_counts, 1 << (groups - 1).bit_length(), word_codes)
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -279,7 +293,8 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
     _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), MARGIN_BASE,
                                        MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, plan.block_rows,
                                        plan.is_bf16, plan.code_table, plan.block_words, plan.packed_table,
-                                       plan.vector_counts, plan.max_groups, num_warps=plan.num_warps)
+                                       plan.vector_counts, plan.max_groups, plan.word_codes,
+                                       num_warps=plan.num_warps)
     return out
 
 
@@ -297,7 +312,7 @@ class DecodeLauncher:
                               GROUP=plan.group_size, BLOCK_ROWS=plan.block_rows, IS_BF16=plan.is_bf16,
                               CODE_TABLE=plan.code_table, BLOCK_WORDS=plan.block_words,
                               PACKED_TABLE=plan.packed_table, VECTOR_COUNTS=plan.vector_counts,
-                              MAX_GROUPS=plan.max_groups, num_warps=plan.num_warps)
+                              MAX_GROUPS=plan.max_groups, WORD_CODES=plan.word_codes, num_warps=plan.num_warps)
 
     def __call__(self, operands: tuple[torch.Tensor, ...], blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.launch(self.plan.grid, blob, out, *operands, *self.plan.layout_args, blob.numel(), **self.constants)
