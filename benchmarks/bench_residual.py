@@ -74,6 +74,20 @@ def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     return layout, torch.cat([w.flatten() for w in weights]), [quantize_rtn(w) for w in weights]
 
 
+def variant_decodes(label: str, variant: dict, blob: torch.Tensor, layout, drafts, weights: torch.Tensor) -> bool:
+    """Whether a kernel variant compiles and rebuilds the expert bit for bit (a failure is printed, not fatal)."""
+    try:
+        rebuilt = decode_expert(blob, layout, drafts, torch.empty(weights.shape, dtype=weights.dtype,
+                                                                  device=blob.device), **variant)
+    except Exception as error:  # a variant Triton cannot compile on this GPU
+        print(f"variant {label} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+        return False
+    if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
+        print(f"variant {label} failed: the decoded weights differ", flush=True)
+        return False
+    return True
+
+
 def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool, profile: Path | None = None) -> dict:
     layout, weights, drafts = expert_parts(name, dtype)
     blob_host = encode_expert([w.view(shape) for w, shape in zip(weights.split([o * i for o, i in layout.shapes]),
@@ -86,17 +100,15 @@ def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool, profile: 
     if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
         raise AssertionError(f"{name} {dtype}: the decoded weights differ")
 
-    for variant in DECODE_VARIANTS.values() if variants else ():  # each variant bit-exact too
-        rebuilt = decode_expert(blob_device, layout, drafts, torch.empty_like(raw_device), **variant)
-        if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
-            raise AssertionError(f"{name} {dtype} {variant}: the decoded weights differ")
+    working = {label: variant for label, variant in DECODE_VARIANTS.items() if variants
+               and variant_decodes(label, variant, blob_device, layout, drafts, weights)}
     raw_ms, blob_ms, decode_ms = (bench_kernel.median_ms(f, 2, repeats, cuda=True) for f in (
         lambda: raw_device.copy_(raw_host, non_blocking=True),
         lambda: blob_device.copy_(blob_host, non_blocking=True),
         lambda: decode_expert(blob_device, layout, drafts, raw_device)))
     variant_ms = {f"decode_ms_{label}": round(bench_kernel.median_ms(
         lambda v=variant: decode_expert(blob_device, layout, drafts, raw_device, **v), 2, repeats, cuda=True), 4)
-        for label, variant in DECODE_VARIANTS.items() if variants}
+        if label in working else "failed" for label, variant in DECODE_VARIANTS.items() if variants}
     raw_bytes, sent = raw_host.numel() * 2, blob_host.numel() * 4
     host_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype, profile=profile)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),

@@ -252,3 +252,14 @@ def test_bound_group_launches_decode_other_items_and_buffers_bit_exactly_on_cuda
         for expert, row in zip(chosen, out_rows):
             assert torch.equal(bits_of(pool[row].cpu()), bits_of(experts[expert][3])), (chosen, expert)
         assert len(launcher.bound_groups) == 1
+
+
+@interpreted
+def test_the_bench_reports_a_variant_that_does_not_compile_and_keeps_the_others(capsys):
+    from tests.scripts import load_script
+
+    bench_residual = load_script("bench_residual")
+    layout, blob, drafts, weights = make_expert(40, 24, 8, torch.bfloat16, "rtn")
+    assert bench_residual.variant_decodes("vector_counts", dict(vector_counts=True), blob, layout, drafts, weights)
+    assert not bench_residual.variant_decodes("3_rows", dict(block_rows=3), blob, layout, drafts, weights)
+    assert "variant 3_rows failed" in capsys.readouterr().out
