@@ -167,7 +167,7 @@ class FakeResiduals:
     def blob(self, layer: int, expert: int) -> torch.Tensor:
         return self.blobs[layer][expert]
 
-    def launcher(self, programs: int = 0):
+    def launcher(self):
         return SimpleNamespace(unbind=lambda: None)
 
     def decode(self, layer, expert, launcher, blob, out) -> None:  # a load's own decode (group 1)

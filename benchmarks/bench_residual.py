@@ -6,8 +6,8 @@ decode (`specter.kernels.residual_decode.decode_expert`, one launch) into device
 CUDA events (median of --repeats, after 2 warm-up calls); and the host's time to issue one load through
 the offload runtime's streams, raw and residual (the decode launched through Triton's JIT and through
 the cache's `DecodeLauncher`, alone or GROUP loads per launch as a decode group does, its copies issued one
-by one or together at its launch as residual transfer does); --variants
-also times the kernel's variants, and --host-profile writes where each load path's host time goes
+by one or together at its launch as residual transfer does); --host-profile writes where each load path's
+host time goes
 (cProfile, by own time); a grouped path's rows also split its host time into a load that only joins
 its group (`_issue`) and what the group's last load adds by launching the decode (`_flush`).
 Correctness first: every decode is compared bit for bit with the original. Each model and dtype's row is
@@ -51,19 +51,6 @@ bench_kernel = sys.modules.setdefault("bench_kernel", importlib.util.module_from
 _spec.loader.exec_module(bench_kernel)  # its median_ms: CUDA-event timing, each call from an idle device
 
 
-DECODE_VARIANTS = {  # the kernel's grid cap, interval tables, tile rows, warps, word loads (DecodePlan)
-    "per_weight": dict(code_table=False), "32_programs": dict(programs=32), "66_programs": dict(programs=66),
-    "8_rows": dict(block_rows=8), "32_rows": dict(block_rows=32), "2_warps": dict(num_warps=2),
-    "8_warps": dict(num_warps=8), "32_rows_8_warps": dict(block_rows=32, num_warps=8),
-    "block_words": dict(block_words=True), "block_words_32_rows": dict(block_words=True, block_rows=32),
-    "packed_table": dict(packed_table=True), "packed_block_words": dict(packed_table=True, block_words=True),
-    "vector_counts": dict(vector_counts=True), "vector_counts_packed": dict(vector_counts=True, packed_table=True),
-    "vector_counts_block_words": dict(vector_counts=True, block_words=True),
-    "vector_counts_32_rows": dict(vector_counts=True, block_rows=32), "word_codes": dict(word_codes=True),
-    "vector_counts_word_codes": dict(vector_counts=True, word_codes=True),
-    "vector_counts_word_codes_packed": dict(vector_counts=True, word_codes=True, packed_table=True)}
-
-
 def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     """(layout, flat weights, RTN drafts) of one seeded routed expert of `name` (gate_up, down)."""
     config = get_spec(name).hf_config
@@ -74,21 +61,7 @@ def expert_parts(name: str, dtype: torch.dtype, seed: int = 0) -> tuple:
     return layout, torch.cat([w.flatten() for w in weights]), [quantize_rtn(w) for w in weights]
 
 
-def variant_decodes(label: str, variant: dict, blob: torch.Tensor, layout, drafts, weights: torch.Tensor) -> bool:
-    """Whether a kernel variant compiles and rebuilds the expert bit for bit (a failure is printed, not fatal)."""
-    try:
-        rebuilt = decode_expert(blob, layout, drafts, torch.empty(weights.shape, dtype=weights.dtype,
-                                                                  device=blob.device), **variant)
-    except Exception as error:  # a variant Triton cannot compile on this GPU
-        print(f"variant {label} failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
-        return False
-    if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
-        print(f"variant {label} failed: the decoded weights differ", flush=True)
-        return False
-    return True
-
-
-def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool, profile: Path | None = None) -> dict:
+def bench(name: str, dtype: torch.dtype, repeats: int, profile: Path | None = None) -> dict:
     layout, weights, drafts = expert_parts(name, dtype)
     blob_host = encode_expert([w.view(shape) for w, shape in zip(weights.split([o * i for o, i in layout.shapes]),
                                                                      layout.shapes)], drafts).pin_memory()
@@ -100,15 +73,10 @@ def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool, profile: 
     if not torch.equal(bits_of(rebuilt.cpu()), bits_of(weights)):
         raise AssertionError(f"{name} {dtype}: the decoded weights differ")
 
-    working = {label: variant for label, variant in DECODE_VARIANTS.items() if variants
-               and variant_decodes(label, variant, blob_device, layout, drafts, weights)}
     raw_ms, blob_ms, decode_ms = (bench_kernel.median_ms(f, 2, repeats, cuda=True) for f in (
         lambda: raw_device.copy_(raw_host, non_blocking=True),
         lambda: blob_device.copy_(blob_host, non_blocking=True),
         lambda: decode_expert(blob_device, layout, drafts, raw_device)))
-    variant_ms = {f"decode_ms_{label}": round(bench_kernel.median_ms(
-        lambda v=variant: decode_expert(blob_device, layout, drafts, raw_device, **v), 2, repeats, cuda=True), 4)
-        if label in working else "failed" for label, variant in DECODE_VARIANTS.items() if variants}
     raw_bytes, sent = raw_host.numel() * 2, blob_host.numel() * 4
     host_us = host_cost_us(raw_host, blob_host, layout, drafts, weights.dtype, profile=profile)
     return {"model": name, "dtype": str(dtype).removeprefix("torch."), "raw_mb": round(raw_bytes / 1e6, 3),
@@ -117,8 +85,7 @@ def bench(name: str, dtype: torch.dtype, repeats: int, variants: bool, profile: 
             "decode_ms": round(decode_ms, 4), "decode_gbps": round(raw_bytes / decode_ms / 1e6, 1),
             "copy_plus_decode_over_raw": round((blob_ms + decode_ms) / raw_ms, 3),
             "copy_over_raw": round(blob_ms / raw_ms, 3),
-            **{f"host_us_per_{path}_load": round(us, 1) for path, us in host_us.items()},
-            **variant_ms}
+            **{f"host_us_per_{path}_load": round(us, 1) for path, us in host_us.items()}}
 
 
 GROUP = 4  # loads per decode launch of the grouped path
@@ -223,7 +190,6 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["dsv2", "phi"])  # qwen: dsv2's expert shape
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None, help="write residual_bench.csv here")
-    parser.add_argument("--variants", action="store_true", help="also time the kernel's variants (DECODE_VARIANTS)")
     parser.add_argument("--host-profile", action="store_true",
                         help="profile each load path's host calls into OUT/residual_host_profile_<model>_<dtype>.txt")
     args = parser.parse_args()
@@ -232,12 +198,12 @@ def main() -> None:
     if args.host_profile and args.out is None:
         sys.exit("error: --host-profile writes into --out: give one")
     log = RowLog(args.out / "residual_bench.csv") if args.out else None
-    workload = f"one seeded expert, repeats={args.repeats}, group={GROUP}{', variants' if args.variants else ''}"
+    workload = f"one seeded expert, repeats={args.repeats}, group={GROUP}"
     for name in args.models:
         for dtype in (torch.bfloat16, torch.float16):
             profile = (args.out / f"residual_host_profile_{name}_{str(dtype)[6:]}.txt"
                        if args.host_profile and args.out else None)
-            row = bench(name, dtype, args.repeats, args.variants, profile)
+            row = bench(name, dtype, args.repeats, profile)
             print(format_row(row), flush=True)
             if log is not None:
                 log.add(row, workload)

@@ -98,7 +98,7 @@ def test_the_store_refuses_a_decode_kernel_that_does_not_rebuild_its_experts(mon
     residuals = ResidualExpertStore.build(store, model.experts)
     assert not residuals.use_kernel  # no-op on the CPU
     residuals.use_kernel = True
-    monkeypatch.setattr(residuals, "launcher", lambda programs=0: None)  # decode falls back to the reference
+    monkeypatch.setattr(residuals, "launcher", lambda: None)  # decode falls back to the reference
     residuals.check_kernel(store)
     exact = residuals.decode
     last = (len(residuals.drafts) - 1, store.num_experts - 1)

@@ -66,13 +66,6 @@ def test_a_group_longer_than_its_count_byte_is_refused():
         make_expert(1024, 1024, 1024, torch.bfloat16, "rtn")
 
 
-VARIANTS = [dict(), dict(code_table=False), dict(programs=3), dict(programs=5, code_table=False),
-            dict(block_rows=32, num_warps=8), dict(block_words=True), dict(block_words=True, code_table=False),
-            dict(packed_table=True), dict(packed_table=True, block_words=True, block_rows=32), dict(vector_counts=True),
-            dict(vector_counts=True, packed_table=True, block_rows=32), dict(word_codes=True),
-            dict(word_codes=True, vector_counts=True, code_table=False)]
-
-
 def test_a_batched_encode_gives_each_experts_own_blob():
     from specter.quant.int4 import Int4Linear
     from specter.quant.residual_expert import encode_experts
@@ -86,33 +79,25 @@ def test_a_batched_encode_gives_each_experts_own_blob():
     assert all(torch.equal(a, e[1]) for a, e in zip(encode_experts(weights, drafts), experts))
 
 
-CASES = [(shape, variant) for shape in [(256, 128, GROUP_SIZE), (40, 24, 8)] for variant in VARIANTS
-         if shape[0] == 40 or not variant]  # the variants on the small shape (40 rows: a partial row tile)
-
-
-CASE_IDS = [f"{s[0]}-rows-" + ("-".join(f"{k}={x}" for k, x in v.items()) or "default") for s, v in CASES]
-
-
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq"])
-@pytest.mark.parametrize("shape, variant", CASES, ids=CASE_IDS)
-def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape, variant):
+@pytest.mark.parametrize("shape", [(256, 128, GROUP_SIZE), (40, 24, 8)],
+                         ids=["256-rows", "40-rows"])  # 40 rows: a partial row tile, 3 groups a row
+def test_kernel_equals_the_reference_and_the_weights(dtype, draft, shape):
     layout, blob, drafts, weights = make_expert(*shape, dtype, draft)
-    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights), **variant)
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights))
     assert torch.equal(bits_of(rebuilt), bits_of(decode_expert_reference(blob, layout, drafts, dtype)))
     assert torch.equal(bits_of(rebuilt), bits_of(weights))
 
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("variant", [dict(), dict(block_words=True, packed_table=True), dict(vector_counts=True, word_codes=True)],
-                         ids=["default", "block-words-packed-table", "vector-counts-word-codes"])
-def test_kernel_decodes_groups_of_every_margin_class(dtype, variant):
+def test_kernel_decodes_groups_of_every_margin_class(dtype):
     layout, blob, drafts, weights = make_expert(256, 128, GROUP_SIZE, dtype, "spread")
     classes = torch.cat([part.margin_class.flatten() for part in split_blob(blob, layout, dtype)])
     assert set(classes.unique().tolist()) == set(range(RAW_CLASS + 1))
-    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights), **variant)
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights))
     assert torch.equal(bits_of(rebuilt), bits_of(weights))
 
 
@@ -120,20 +105,15 @@ def test_kernel_decodes_groups_of_every_margin_class(dtype, variant):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("draft", ["rtn", "gptq", "spread"])
-@pytest.mark.parametrize("variant", VARIANTS, ids=["code-table", "per-weight", "3-programs", "5-programs-per-weight",
-                                                   "32-rows-8-warps", "block-words", "block-words-per-weight",
-                                                   "packed-table", "packed-table-block-words-32-rows",
-                                                   "vector-counts", "vector-counts-packed-table-32-rows",
-                                                   "word-codes", "word-codes-vector-counts-per-weight"])
-def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft, variant):
+def test_kernel_rebuilds_a_dsv2_expert_on_cuda(dtype, draft):
     layout, blob, drafts, weights = dsv2_expert(dtype, draft)
-    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights), **variant)
+    rebuilt = decode_expert(blob, layout, drafts, torch.empty_like(weights))
     assert torch.equal(bits_of(rebuilt.cpu()), bits_of(weights.cpu()))
 
 
 @functools.cache
 def dsv2_expert(dtype: torch.dtype, draft: str) -> tuple:
-    """`make_expert` at dsv2's expert size on the GPU, encoded once for every variant's test."""
+    """`make_expert` at dsv2's expert size on the GPU, encoded once per dtype and draft."""
     layout, blob, drafts, weights = make_expert(2048, 1408, GROUP_SIZE, dtype, draft)
     return layout, blob.cuda(), [d.to("cuda") for d in drafts], weights.cuda()
 
@@ -220,7 +200,8 @@ def test_one_launch_rebuilds_several_dsv2_experts_on_cuda(dtype):
         staging[row, :blob.numel()] = blob.cuda()
     pool = torch.zeros(4, experts[0][3].numel(), dtype=dtype, device="cuda")
     out_rows = [3, 0, 1]
-    items = group_table([(row * capacity, e[1].numel(), pool[out_rows[row]], row) for row, e in enumerate(experts)], pool)
+    items = group_table([(row * capacity, e[1].numel(), pool[out_rows[row]], row) for row, e in enumerate(experts)],
+                        pool)
     decode_experts(staging, pool, items.cuda(), layout, drafts)
     for (_, _, _, weights), row in zip(experts, out_rows):
         assert torch.equal(bits_of(pool[row].cpu()), bits_of(weights))
@@ -253,13 +234,3 @@ def test_bound_group_launches_decode_other_items_and_buffers_bit_exactly_on_cuda
             assert torch.equal(bits_of(pool[row].cpu()), bits_of(experts[expert][3])), (chosen, expert)
         assert len(launcher.bound_groups) == 1
 
-
-@interpreted
-def test_the_bench_reports_a_variant_that_does_not_compile_and_keeps_the_others(capsys):
-    from tests.scripts import load_script
-
-    bench_residual = load_script("bench_residual")
-    layout, blob, drafts, weights = make_expert(40, 24, 8, torch.bfloat16, "rtn")
-    assert bench_residual.variant_decodes("vector_counts", dict(vector_counts=True), blob, layout, drafts, weights)
-    assert not bench_residual.variant_decodes("3_rows", dict(block_rows=3), blob, layout, drafts, weights)
-    assert "variant 3_rows failed" in capsys.readouterr().out

@@ -4,7 +4,9 @@
 [H, I]) from its blob (`specter.quant.residual_expert`) and the draft's packed codes and scales, with the
 integer arithmetic of `specter.quant.residual.decode`; `decode_expert_reference` is its torch reference.
 One program rebuilds a tile of BLOCK_ROWS output rows x one group of one linear, reading the codes and
-scales in the draft's [in/8, out] and [in/g, out] layouts (coalesced along the rows).
+scales in the draft's [in/8, out] and [in/g, out] layouts (coalesced along the rows). It computes each row's 16
+code intervals once (low and width in one int32 per code, the zero point's folded one at code 8) and looks each
+weight's up by its code, and it loads each row's group stream once and looks each weight's two words up in it.
 """
 from __future__ import annotations
 
@@ -22,14 +24,8 @@ from specter.quant.residual_expert import (  # noqa: F401
     encode_expert,
 )
 
-BLOCK_ROWS = 16  # output rows a program decodes at once (DecodePlan.block_rows)
-NUM_WARPS = 4  # warps of a decode program (DecodePlan.num_warps)
-DECODE_PROGRAMS = 0  # grid cap of a decode launch (0: one program per tile)
-CODE_TABLE = True  # per-row tables of the 16 code intervals (DecodePlan.code_table)
-BLOCK_WORDS = False  # each row's group stream loaded once as a block (DecodePlan.block_words)
-PACKED_TABLE = False  # code tables of low and width in one int32, the zero point's in it (DecodePlan.packed_table)
-VECTOR_COUNTS = False  # a row's earlier groups' word counts in one masked load (DecodePlan.vector_counts)
-WORD_CODES = False  # each packed code word loaded once and split (DecodePlan.word_codes)
+BLOCK_ROWS = 16  # output rows a program decodes at once
+NUM_WARPS = 4  # warps of a decode program
 
 try:
     import triton
@@ -83,82 +79,47 @@ if TRITON_AVAILABLE:
     def _decode_tile(blob_ptr, count_ptr, class_ptr, out_ptr, qweight_ptr, scales_ptr, tile, out_features,
                      in_features, group_base, row_base, out_base, stream_word, blob_words,
                      MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
-                     RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-                     CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr,
-                     PACKED_TABLE: tl.constexpr,
-                     VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
-        WORD_CODES: tl.constexpr):
+                     RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr):
         groups = in_features // GROUP
         group = tile % groups
         rows = (tile // groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
         row_ok = rows < out_features
         cols = group * GROUP + tl.arange(0, GROUP)  # [G]
-        if WORD_CODES:  # each packed word once, split into its 8 codes
-            words = group * (GROUP // 8) + tl.arange(0, GROUP // 8)  # [G/8]
-            packed = tl.load(qweight_ptr + words[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
-                             other=0)  # [R, G/8], qweight [in/8, out]
-            nibble = (tl.arange(0, 8) * 4)[None, None, :]  # [1, 1, 8]
-            code = tl.reshape((packed[:, :, None] >> nibble) & 0xF, (BLOCK_ROWS, GROUP))  # [R, G] in 0..15
-        else:
-            packed = tl.load(qweight_ptr + (cols // 8)[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
-                             other=0)  # [R, G], qweight [in/8, out]
-            code = (packed >> ((cols % 8) * 4)[None, :]) & 0xF  # [R, G] in 0..15
+        packed = tl.load(qweight_ptr + (cols // 8)[None, :] * out_features + rows[:, None], mask=row_ok[:, None],
+                         other=0)  # [R, G], qweight [in/8, out]
+        code = (packed >> ((cols % 8) * 4)[None, :]) & 0xF  # [R, G] in 0..15
         scale = _scale_of(scales_ptr, group * out_features + rows, row_ok, IS_BF16)[:, None]  # scales [in/g, out]
         index = group_base + rows * groups + group  # [R] the groups' indices in the blob
         class_byte = tl.load(class_ptr + index, mask=row_ok, other=RAW).to(tl.int32)[:, None]  # [R, 1]
         margin_class = class_byte & _CLASS_MASK
         zero_bits = class_byte >> _ZERO_WIDTH_SHIFT  # the group's zero width
         start = tl.load(blob_ptr + row_base + rows, mask=row_ok, other=0)  # [R] the rows' first words
-        if VECTOR_COUNTS:  # plus the word counts of the row's groups before this one, in one load
-            before = tl.arange(0, MAX_GROUPS)[None, :]  # [1, M]
-            counts = tl.load(count_ptr + (index - group)[:, None] + before, mask=row_ok[:, None] & (before < group),
-                             other=0)  # [R, M]
-            start += tl.sum(counts.to(tl.int32), axis=1)
-        else:
-            for before in range(group):  # plus the word counts of the row's groups before this one
-                start += tl.load(count_ptr + index - group + before, mask=row_ok, other=0).to(tl.int32)
+        for before in range(group):  # plus the word counts of the row's groups before this one
+            start += tl.load(count_ptr + index - group + before, mask=row_ok, other=0).to(tl.int32)
         start = start[:, None]
         margin = margin_class.to(tl.float32) * MARGIN_STEP + MARGIN_BASE  # residual.MARGINS, exact in float32
-        if CODE_TABLE:  # each row's 16 intervals once, then looked up by code
-            q = (tl.arange(0, 16).to(tl.float32) - 8.0)[None, :]  # [1, 16]
-        else:  # every weight's interval from its own code
-            q = code.to(tl.float32) - 8.0
+        q = (tl.arange(0, 16).to(tl.float32) - 8.0)[None, :]  # [1, 16]: each row's 16 intervals once
         low = tl.maximum(_truncated_key((q - 0.5 - margin) * scale, IS_BF16) - 1, 0)
         high = tl.minimum(_truncated_key((q + 0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
-        width = _bit_length(tl.maximum(high - low, 0))  # [R, 16] or [R, G]
-        # zero-point intervals, folded at zero (residual.fold_zero_point): one per row, [R, 1]
+        width = _bit_length(tl.maximum(high - low, 0))  # [R, 16]
+        # the zero point's interval, folded at zero (residual.fold_zero_point): one per row, [R, 1]
         zero_high = tl.minimum(_truncated_key((0.5 + margin) * scale, IS_BF16) + 1, 0xFFFF)
         zero_low = tl.maximum(zero_high - (1 << tl.maximum(zero_bits - 1, 0)) + 1, _HALF)
-        zero = code == 8  # [R, G]
-        fold = tl.where(zero, tl.maximum(zero_high - zero_low + 1, 0), _NO_FOLD)
-        if CODE_TABLE and PACKED_TABLE:  # one lookup: low (16 bits) and width above it, code 8's the zero point's
-            at_zero = q == 0.0  # [1, 16]
-            table = tl.where(at_zero, zero_low, low) | (tl.where(at_zero, zero_bits, width) << 16)  # [R, 16]
-            entry = tl.gather(table, code, axis=1)  # [R, G]
-            low, width = entry & 0xFFFF, entry >> 16
-        else:
-            if CODE_TABLE:
-                low = tl.gather(low, code, axis=1)  # [R, G]
-                width = tl.gather(width, code, axis=1)
-            low = tl.where(zero, zero_low, low)
-            width = tl.where(zero, zero_bits, width)
+        fold = tl.where(code == 8, tl.maximum(zero_high - zero_low + 1, 0), _NO_FOLD)  # [R, G]
+        at_zero = q == 0.0  # [1, 16]: code 8's entry is the zero point's interval
+        table = tl.where(at_zero, zero_low, low) | (tl.where(at_zero, zero_bits, width) << 16)  # [R, 16]
+        entry = tl.gather(table, code, axis=1)  # [R, G]: low (16 bits) and width above it, one lookup
+        low, width = entry & 0xFFFF, entry >> 16
         raw = margin_class == RAW
         width = tl.where(raw, RAW_WIDTH, width)  # [R, G]
         within = tl.cumsum(width, axis=1) - width  # bit offset inside the group
         shift = (within & 31).to(tl.uint32)
-        if BLOCK_WORDS:  # the rows' group streams (at most GROUP/2 words) once, each weight's words looked up
-            first = within >> 5  # [R, G], below GROUP/2
-            span = stream_word + start + tl.arange(0, GROUP * RAW_WIDTH // 32)[None, :]  # [R, GROUP/2]
-            block = tl.load(blob_ptr + span, mask=row_ok[:, None] & (span < blob_words), other=0)
-            w0 = tl.gather(block, first, axis=1).to(tl.uint32, bitcast=True)
-            # a weight in the group's last word ends in it: its next word, clamped, is masked off below
-            w1 = tl.gather(block, tl.minimum(first + 1, GROUP * RAW_WIDTH // 32 - 1), axis=1).to(tl.uint32,
-                                                                                                bitcast=True)
-        else:
-            word = stream_word + start + (within >> 5)
-            w0 = tl.load(blob_ptr + word, mask=row_ok[:, None], other=0).to(tl.uint32, bitcast=True)
-            w1 = tl.load(blob_ptr + word + 1, mask=row_ok[:, None] & (word + 1 < blob_words), other=0)
-            w1 = w1.to(tl.uint32, bitcast=True)
+        first = within >> 5  # [R, G], below GROUP/2
+        span = stream_word + start + tl.arange(0, GROUP * RAW_WIDTH // 32)[None, :]  # [R, GROUP/2]
+        block = tl.load(blob_ptr + span, mask=row_ok[:, None] & (span < blob_words), other=0)  # the group streams
+        w0 = tl.gather(block, first, axis=1).to(tl.uint32, bitcast=True)
+        # a weight in the group's last word ends in it: its next word, clamped, is masked off below
+        w1 = tl.gather(block, tl.minimum(first + 1, GROUP * RAW_WIDTH // 32 - 1), axis=1).to(tl.uint32, bitcast=True)
         pair = (w0 >> shift) | ((w1 << 1) << (31 - shift))  # the 32 bits from the weight's offset
         value = (pair & ((tl.full([BLOCK_ROWS, GROUP], 1, tl.uint32) << width.to(tl.uint32)) - 1)).to(tl.int32)
         key = tl.where(value >= fold, 0xFFFF - (low + value - fold), low + value)
@@ -168,56 +129,44 @@ if TRITON_AVAILABLE:
                  mask=row_ok[:, None])
 
     @triton.jit
-    def _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte,
-                             class_byte, blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
-                             RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
-                             BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, CODE_TABLE: tl.constexpr,
-                             BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
-                             VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
-        WORD_CODES: tl.constexpr):
-        """This program's tiles of one expert (every num_programs(0)-th from program_id(0))."""
+    def _decode_expert_tile(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+                            out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte,
+                            class_byte, blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
+                            RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
+                            BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr):
+        """This program's tile (program_id(0)) of one expert."""
         count_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + count_byte  # the groups' word counts, a byte each
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
         bits_ptr = out_ptr.to(tl.pointer_type(tl.int16))  # the 16-bit patterns of the weights
-        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):  # a grid below `tiles` leaves SMs free
-            if tile < tiles0:  # linear 0 (gate_up)
-                _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0,
-                             0, 0, 0, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP,
-                             BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
-            else:  # linear 1 (down)
-                _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1,
-                             in1, group_base1, out0, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
+        tile = tl.program_id(0)
+        if tile < tiles0:  # linear 0 (gate_up)
+            _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0,
+                         0, 0, 0, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP,
+                         BLOCK_ROWS, IS_BF16)
+        else:  # linear 1 (down)
+            _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1,
+                         in1, group_base1, out0, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
+                         RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16)
 
     @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
         blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte, class_byte, blob_words,
+        out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte, class_byte, blob_words,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-        CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
-        VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
-        WORD_CODES: tl.constexpr,
     ):
-        _decode_expert_tiles(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
-                             out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte,
-                             class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
-                             IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
+        _decode_expert_tile(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
+                            out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte,
+                            class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
+                            IS_BF16)
 
     @triton.jit
     def _residual_decode_group_kernel(
         staging_ptr, pool_ptr, items_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
         qweight0_stride, scales0_stride, qweight1_stride, scales1_stride,
-        out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word, count_byte, class_byte,
+        out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte, class_byte,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-        CODE_TABLE: tl.constexpr, BLOCK_WORDS: tl.constexpr, PACKED_TABLE: tl.constexpr,
-        VECTOR_COUNTS: tl.constexpr, MAX_GROUPS: tl.constexpr,
-        WORD_CODES: tl.constexpr,
     ):
         """Several experts of one layer, one per program_id(1): items [n, 4] int64 holds each one's blob offset
         in `staging` (words), blob length (words), expert index into the layer's stacked drafts, and output
@@ -225,54 +174,32 @@ if TRITON_AVAILABLE:
         item = items_ptr + tl.program_id(1) * 4
         blob_offset, blob_words = tl.load(item), tl.load(item + 1)
         expert, out_offset = tl.load(item + 2), tl.load(item + 3)
-        _decode_expert_tiles(staging_ptr + blob_offset, pool_ptr + out_offset, qweight0_ptr + expert * qweight0_stride,
-                             scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
-                             scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, tiles, group_base1,
-                             out_base1, stream_word, count_byte, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                             RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, CODE_TABLE, BLOCK_WORDS, PACKED_TABLE,
-                             VECTOR_COUNTS, MAX_GROUPS, WORD_CODES)
+        _decode_expert_tile(staging_ptr + blob_offset, pool_ptr + out_offset, qweight0_ptr + expert * qweight0_stride,
+                            scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
+                            scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, group_base1,
+                            out_base1, stream_word, count_byte, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
+                            RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16)
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """What every decode launch of one model's experts shares: the grid, the blob layout's integers and the
-    kernel variant. `programs` caps the grid (each program loops over tiles), leaving SMs to the compute
-    stream's kernels (0: a program per tile); `code_table` computes each row's 16 code intervals once and
-    looks them up, instead of one interval per weight; a tile is `block_rows` output rows x one group, and a
-    program runs `num_warps` warps; `block_words` loads each row's group stream once and looks each weight's
-    two words up in it, instead of loading them per weight; `packed_table` looks each weight's interval up once
-    (low and width in one int32), instead of twice; `vector_counts` sums a row's earlier groups' word counts
-    from one masked load of `max_groups` (a power of two, at least a row's groups), instead of a load per group;
-    `word_codes` loads each packed word of 8 codes once and splits it, instead of once per code."""
+    """What every decode launch of one model's experts shares: the grid (a program per tile of BLOCK_ROWS output
+    rows x one group of one linear) and the blob layout's integers."""
 
     grid: tuple[int]
-    layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, tiles, group_base1, out_base1, stream_word,
-    # count_byte, class_byte
+    layout_args: tuple[int, ...]  # out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte,
+    # class_byte
     group_size: int
     is_bf16: bool
-    code_table: bool
-    block_rows: int = BLOCK_ROWS
-    num_warps: int = NUM_WARPS
-    block_words: bool = BLOCK_WORDS
-    packed_table: bool = PACKED_TABLE
-    vector_counts: bool = VECTOR_COUNTS
-    max_groups: int = 1
-    word_codes: bool = WORD_CODES
 
     @classmethod
-    def of(cls, layout: BlobLayout, dtype: torch.dtype, programs: int = DECODE_PROGRAMS,
-           code_table: bool = CODE_TABLE, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
-           block_words: bool = BLOCK_WORDS, packed_table: bool = PACKED_TABLE,
-           vector_counts: bool = VECTOR_COUNTS, word_codes: bool = WORD_CODES) -> DecodePlan:
+    def of(cls, layout: BlobLayout, dtype: torch.dtype) -> DecodePlan:
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
-        tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
-        args = (*layout.shapes[0], *layout.shapes[1], tiles[0], sum(tiles), layout.group_base(1),
-                layout.output_base(1), layout.stream_word, 4 * layout.count_word, 4 * layout.class_word)
-        grid = (min(programs, sum(tiles)) if programs else sum(tiles),)
-        groups = max(i // layout.group_size for _, i in layout.shapes)
-        return cls(grid, args, layout.group_size, dtype == torch.bfloat16, code_table, block_rows, num_warps,
-                   block_words, packed_table, vector_counts, 1 << (groups - 1).bit_length(), word_codes)
+        tiles = [_cdiv(o, BLOCK_ROWS) * (i // layout.group_size) for o, i in layout.shapes]
+        args = (*layout.shapes[0], *layout.shapes[1], tiles[0], layout.group_base(1), layout.output_base(1),
+                layout.stream_word, 4 * layout.count_word, 4 * layout.class_word)
+        return cls((sum(tiles),), args, layout.group_size, dtype == torch.bfloat16)
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -291,10 +218,8 @@ def launch_decode(plan: DecodePlan, operands: tuple[torch.Tensor, ...], blob: to
     """One decode launch on the current stream through Triton's JIT (`decode_expert` with its plan and
     operands prepared; `DecodeLauncher` is the same launch with less host time). Returns `out`."""
     _residual_decode_kernel[plan.grid](blob, out, *operands, *plan.layout_args, blob.numel(), MARGIN_BASE,
-                                       MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, plan.block_rows,
-                                       plan.is_bf16, plan.code_table, plan.block_words, plan.packed_table,
-                                       plan.vector_counts, plan.max_groups, plan.word_codes,
-                                       num_warps=plan.num_warps)
+                                       MARGIN_STEP, RAW_CLASS, RAW_BITS, plan.group_size, BLOCK_ROWS, plan.is_bf16,
+                                       num_warps=NUM_WARPS)
     return out
 
 
@@ -309,10 +234,8 @@ class DecodeLauncher:
         self.group_launch = CompiledLaunch(_residual_decode_group_kernel)
         self.bound_groups, self.bound_buffers = {}, None  # (layer operands, group size) -> bound launch; buffers
         self.constants = dict(MARGIN_BASE=MARGIN_BASE, MARGIN_STEP=MARGIN_STEP, RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
-                              GROUP=plan.group_size, BLOCK_ROWS=plan.block_rows, IS_BF16=plan.is_bf16,
-                              CODE_TABLE=plan.code_table, BLOCK_WORDS=plan.block_words,
-                              PACKED_TABLE=plan.packed_table, VECTOR_COUNTS=plan.vector_counts,
-                              MAX_GROUPS=plan.max_groups, WORD_CODES=plan.word_codes, num_warps=plan.num_warps)
+                              GROUP=plan.group_size, BLOCK_ROWS=BLOCK_ROWS, IS_BF16=plan.is_bf16,
+                              num_warps=NUM_WARPS)
 
     def __call__(self, operands: tuple[torch.Tensor, ...], blob: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.launch(self.plan.grid, blob, out, *operands, *self.plan.layout_args, blob.numel(), **self.constants)
@@ -356,24 +279,23 @@ def group_table(items: list[tuple], pool: torch.Tensor) -> torch.Tensor:
 
 
 def decode_experts(staging: torch.Tensor, pool: torch.Tensor, items: torch.Tensor, layout: BlobLayout,
-                   layer_drafts: list[Int4Linear], **variant) -> torch.Tensor:
+                   layer_drafts: list[Int4Linear]) -> torch.Tensor:
     """Several experts of one layer at once: for each row (blob offset in `staging` (int32 words), blob
     words, expert, output offset in `pool` (elements)) of `items` [n, 4] int64 (on the device), the expert's
     exact weights into `pool` (16-bit, flat) from its blob in `staging` and its layer's stacked drafts
     (qweight [E, in/8, out], scales [E, in/g, out]); one launch on the current stream. Returns `pool`."""
-    launcher = DecodeLauncher(DecodePlan.of(layout, pool.dtype, **variant))
+    launcher = DecodeLauncher(DecodePlan.of(layout, pool.dtype))
     launcher.group(expert_operands(layer_drafts, pool.dtype), staging, pool, items)
     return pool
 
 
-def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor,
-                  **variant) -> torch.Tensor:
+def decode_expert(blob: torch.Tensor, layout: BlobLayout, drafts: list[Int4Linear], out: torch.Tensor) -> torch.Tensor:
     """Write the expert's exact weights into `out` (flat, 16-bit, sum(out * in) elements: gate_up then down)
     from `blob` (int32, on the device) and its linears' drafts (qweight [in/8, out], scales [in/g, out], as
-    stored); one launch on the current stream (`variant`: `DecodePlan.of`'s keywords). Returns `out`."""
+    stored); one launch on the current stream. Returns `out`."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("decode_expert needs Triton; decode_expert_reference is the torch reference")
-    plan = DecodePlan.of(layout, out.dtype, **variant)
+    plan = DecodePlan.of(layout, out.dtype)
     return launch_decode(plan, expert_operands(drafts, out.dtype), blob, out)
 
 
