@@ -64,12 +64,10 @@ def stream_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     """Per margin class (and raw, last): [fixed-width stream bits, ideal entropy-coded bits, weights], float64.
 
     The entropy of a bucket (class, width) is that of its residual values' frequencies in this tensor."""
-    cls = encoded.margin_class.repeat_interleave(encoded.group_size, dim=-1).flatten().long()  # [weights]
-    value, width = residuals_of(weight, codes, scales, encoded)
+    keep, cls, value, width = coded_residuals(weight, codes, scales, encoded)
     out = torch.zeros(len(MARGINS) + 1, 3, dtype=torch.float64)
-    raw = cls == len(MARGINS)
-    out[-1] = torch.tensor([RAW_BITS * raw.sum().item(), RAW_BITS * raw.sum().item(), raw.sum().item()])
-    cls, value, width = cls[~raw], value[~raw], width[~raw]
+    raw = (~keep).sum().item()
+    out[-1] = torch.tensor([RAW_BITS * raw, RAW_BITS * raw, raw])
     bucket = cls * 32 + width
     symbols, counts = torch.unique((bucket << 20) + value, return_counts=True)  # [distinct (bucket, value)]
     of_symbol = symbols >> 20
@@ -100,10 +98,8 @@ def huffman_lengths(counts: list[int]) -> dict[int, int]:
 def practical_saving_bits(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                           encoded: ResidualTensor) -> list[float]:
     """Stream bits the top-bits Huffman code saves on the non-raw weights, one per HUFFMAN_TOP_BITS."""
-    cls = encoded.margin_class.repeat_interleave(encoded.group_size, dim=-1).flatten().long()  # [weights]
-    keep = cls < len(MARGINS)
-    value, width = (part[keep] for part in residuals_of(weight, codes, scales, encoded))
-    bucket = cls[keep] * 32 + width
+    _, cls, value, width = coded_residuals(weight, codes, scales, encoded)
+    bucket = cls * 32 + width
     fixed = width.sum().item()
     return [fixed - top_bits_code_bits(value, width, bucket, top) for top in HUFFMAN_TOP_BITS]
 
@@ -123,23 +119,24 @@ def top_bits_code_bits(value: torch.Tensor, width: torch.Tensor, bucket: torch.T
     return bits
 
 
-def residuals_of(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                 encoded: ResidualTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual, width) of every weight in its encoded interval, flat int64 (raw groups' are meaningless)."""
+def coded_residuals(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    encoded: ResidualTensor) -> tuple[torch.Tensor, ...]:
+    """(keep [weights]: the weights of groups not sent raw; then for those, flat int64: margin class, residual in
+    the encoded interval, width)."""
+    cls = encoded.margin_class.repeat_interleave(encoded.group_size, dim=-1).flatten().long()  # [weights]
+    keep = cls < len(MARGINS)
     low, width, fold = intervals(codes, scales, weight.dtype, encoded.group_size,
                                  class_margins(encoded.margin_class), encoded.zero_width)
     value = fold_residuals(order_keys(bits_of(weight)), low, width, fold)[0]
-    return value.flatten().long(), width.flatten().long()
+    return keep, cls[keep], value.flatten().long()[keep], width.flatten().long()[keep]
 
 
 def zero_code_split(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     encoded: ResidualTensor) -> torch.Tensor:
     """[[weights, fixed-width bits, ideal bits]] for the non-raw weights whose code is the zero point (their
     interval spans every binade below s/2) and for the others: where an entropy code's saving comes from."""
-    cls = encoded.margin_class.repeat_interleave(encoded.group_size, dim=-1).flatten().long()
-    keep = cls < len(MARGINS)
-    value, width = (part[keep] for part in residuals_of(weight, codes, scales, encoded))
-    cls, zero = cls[keep], codes.flatten()[keep] == ZERO_POINT
+    keep, cls, value, width = coded_residuals(weight, codes, scales, encoded)
+    zero = codes.flatten()[keep] == ZERO_POINT
     out = torch.zeros(2, 3, dtype=torch.float64)
     for row, mine in enumerate((zero, ~zero)):
         bucket = (cls[mine] * 32 + width[mine]) << 20

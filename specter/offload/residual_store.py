@@ -107,7 +107,7 @@ class ResidualExpertStore:
         return [select_expert(draft, expert) for draft in self.drafts[layer]]
 
     def launcher(self) -> DecodeLauncher | None:
-        """The decode launches (the kernel's default plan); None without the kernel."""
+        """The decode launches of this store's experts; None without the kernel."""
         return DecodeLauncher(DecodePlan.of(self.layout, self.dtype)) if self.use_kernel else None
 
     def decode(self, layer: int, expert: int, launcher: DecodeLauncher | None, blob: torch.Tensor,
