@@ -85,8 +85,9 @@ class Transformers:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
         """New tokens of a [1, T] prompt; of each request for a batch (HF's batched generate)."""
         if is_batch(input_ids):
-            return self._generate_batch(check_batch(input_ids, max_new_tokens, self.model.vocab_size), max_new_tokens)
-        input_ids = check_prompt(input_ids, max_new_tokens, self.model.vocab_size)
+            prompts = check_batch(input_ids, max_new_tokens, self.model.vocab_size, self.model.max_positions)
+            return self._generate_batch(prompts, max_new_tokens)
+        input_ids = check_prompt(input_ids, max_new_tokens, self.model.vocab_size, self.model.max_positions)
         hf, device = self._built()
         metrics = DecodeMetrics(device)
         out = hf.generate(input_ids.to(device), attention_mask=torch.ones_like(input_ids, device=device),

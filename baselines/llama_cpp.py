@@ -158,7 +158,7 @@ class LlamaCppBaseline:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult:
         """Exactly max_new_tokens greedy tokens (no EOS stop), each timestamped in the worker as llama.cpp
         yields it."""
-        prompt = check_prompt(input_ids, max_new_tokens, self.model.vocab_size)[0].tolist()
+        prompt = check_prompt(input_ids, max_new_tokens, self.model.vocab_size, self.model.max_positions)[0].tolist()
         ok, reason = self.available()
         if not ok:
             raise SpecterError(f"the llama.cpp baseline cannot run here: {reason}")

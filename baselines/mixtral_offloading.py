@@ -226,7 +226,7 @@ class MixtralOffloading:
         """New tokens of a [1, T] prompt; of each request for a batch (one step loads each expert once
         for every request that routes to it)."""
         if not is_batch(input_ids):
-            input_ids = check_prompt(input_ids, max_new_tokens, self.model.vocab_size)
+            input_ids = check_prompt(input_ids, max_new_tokens, self.model.vocab_size, self.model.max_positions)
         cache = self._swap_cache()
         cache.reset()
         with attributes_set(self.model.experts, target_executor=SwapExecutor(cache, self.staging - 1)):

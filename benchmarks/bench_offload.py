@@ -48,7 +48,7 @@ from benchmarks.row_log import RowLog  # noqa: E402
 from experiments.machine import load_note, machine_state  # noqa: E402
 from specter.config import PAPER_DESIGN  # noqa: E402
 from specter.metrics import gc_paused, io_floor_ms  # noqa: E402
-from specter.offload.pinned import pinned_h2d_gbps  # noqa: E402
+from specter.offload.pinned import measure_link  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -387,8 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     options = BenchOptions(args.mem, args.prompts, args.new_tokens, args.k, tuple(args.variants), args.quick,
                            args.out if args.host_profile else None, args.weights,
                            args.dtype and getattr(torch, args.dtype), args.repeats, args.interleave,
-                           pinned_h2d_gbps("cuda"))
-    print(f"pinned H2D bandwidth, measured once for every row's I/O floor: {options.h2d_gbps} GB/s", flush=True)
+                           measure_link("cuda").max_gbps)
+    print(f"pinned H2D bandwidth, measured once for every row's I/O floor (max of 10 trials of 1 GiB): "
+          f"{options.h2d_gbps} GB/s", flush=True)
     log = RowLog(args.out / "offload.csv")
     for name in args.models:
         print_table(bench_model(name, options, log))

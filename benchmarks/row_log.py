@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import csv
-import os
 import socket
-import subprocess
 from pathlib import Path
+
+from experiments import provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVENANCE = ("commit", "host", "workload")
@@ -13,17 +13,9 @@ PROVENANCE = ("commit", "host", "workload")
 
 def commit() -> str:
     """The checkout's short commit, `-dirty` when tracked files differ from it; $SPECTER_COMMIT where it is set
-    (a copy without .git, e.g. a GPU machine's), else "unknown"."""
-    if os.environ.get("SPECTER_COMMIT"):
-        return os.environ["SPECTER_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, capture_output=True,
-                               timeout=10).returncode != 0
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}-dirty" if dirty else head
+    (a copy without .git, e.g. a GPU machine's), else "unknown" (experiments.provenance)."""
+    name = provenance.commit(ROOT, short=True)
+    return "unknown" if name is None else f"{name}-dirty" if provenance.dirty(ROOT) else name
 
 
 def host() -> str:

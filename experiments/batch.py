@@ -23,7 +23,7 @@ def run_batch(cfg, out_dir, open_writer):
     model, config = load(cfg)
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
     systems = [build_system(name, model, config) for name in cfg.systems]
-    writer = open_writer()
+    writer = open_writer(model)
     tags = {"k": config.k, "prefix_tokens": cfg.prefix_tokens}
     runnable = usable_systems(systems, writer, tags)
     sizes = [int(b) for b in cfg.experiment.batch_sizes]
@@ -44,6 +44,7 @@ def run_batch(cfg, out_dir, open_writer):
             for repeat in range(cfg.repeats):
                 key = {"dataset": dataset, "prompt_id": -1, "repeat": repeat, "batch_size": batch_size, **tags}
                 warm_up(runnable, key, requests, writer, warm)
+                writer.measure_link()  # once, after the first warm-ups
                 run_batch_case(runnable, key, requests, cfg.max_new_tokens, writer, cfg.token_caps)
                 bar.update(len(runnable))
     return header(model, config, cfg, f"batch (B = {sizes})"), SUMMARY_KEYS["batch"]

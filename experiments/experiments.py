@@ -31,7 +31,7 @@ def run_main(cfg, out_dir: Path, open_writer):
     systems = [build_system(name, model, config) for name in cfg.systems]
     print(f"setup: model loaded in {loaded - start:.1f} s, systems built in {time.perf_counter() - loaded:.1f} s",
           file=sys.stderr, flush=True)
-    run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(), cfg.strict,
+    run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(model), cfg.strict,
               tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps,
               warmup_tokens=cfg.warmup_tokens)
     return header(model, config, cfg, "main"), SUMMARY_KEYS["main"]
@@ -41,7 +41,7 @@ def run_depth(cfg, out_dir: Path, open_writer):
     """TPOT of Specter for each K (Figure 7); the best K by mean TPOT is saved for k=auto."""
     model, config = load(cfg)
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
-    writer = open_writer()
+    writer = open_writer(model)
     ks = list(cfg.experiment.k_values)
     for repeat in range(cfg.repeats):
         for k in ks[repeat % len(ks):] + ks[: repeat % len(ks)]:  # candidate order rotated per repeat
@@ -72,7 +72,7 @@ def run_prefix(cfg, out_dir: Path, open_writer):
     model, config = load(cfg)
     texts = prompts_for(cfg.dataset, cfg.num_prompts)
     systems = [build_system(name, model, config) for name in cfg.systems]
-    writer = open_writer()
+    writer = open_writer(model)
     for prefix in cfg.experiment.prefix_values:
         prompts = encode_prompts(model, texts, int(prefix))
         run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, writer, cfg.strict,

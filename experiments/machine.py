@@ -1,4 +1,4 @@
-"""What a run's timings ran under: host load, the host's time per small torch op, the GPU's clock and H2D rate."""
+"""What a run's timings ran under: host load, the host's time per small torch op and the GPU's clock."""
 from __future__ import annotations
 
 import os
@@ -8,18 +8,16 @@ import time
 import torch
 
 from specter.errors import first_line
-from specter.offload.pinned import pinned_h2d_gbps
 
 
 def machine_state(device: str | torch.device | None = None) -> dict:
     """Host load (1-minute average, cores), the host's time per small torch op on the run's `device` (None or
-    "auto": CUDA where there is one) and, on CUDA, the GPU's clocks and its pinned host-to-device copy rate
-    (`h2d_gbps`, GB/s; None without a GPU): what the timings ran under."""
+    "auto": CUDA where there is one) and, on CUDA, the GPU's clock: what the timings ran under. The link's rate is
+    measured later, after the warm-ups (experiments.link)."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if device is None or str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    state = {"load_average_1min": load, "cpu_cores": os.cpu_count(), "host_op_us": host_op_us(torch.device(device)),
-             "h2d_gbps": pinned_h2d_gbps(device)}
+    state = {"load_average_1min": load, "cpu_cores": os.cpu_count(), "host_op_us": host_op_us(torch.device(device))}
     if torch.cuda.is_available():
         try:
             state["gpu_clock_mhz"] = torch.cuda.clock_rate()
@@ -53,11 +51,15 @@ def busy_warning(state: dict, share: float = 0.75) -> str | None:
             f"its timings are inflated; run.json records the load")
 
 
-def load_note(state: dict) -> str:
-    """`, host load 0.4/2 cores, 3.6 us per host op` (and the GPU clock) for the printed header."""
+def load_note(state: dict, link: dict | None = None) -> str:
+    """`, host load 0.4/2 cores, 3.6 us per host op` (and the GPU clock, and the `link` measurement's max, median
+    and min rate) for the printed header."""
     load, op = state.get("load_average_1min"), state.get("host_op_us")
     note = "" if load is None else f", host load {load:.1f}/{state.get('cpu_cores')} cores"
     note += "" if op is None else f", {op} us per host op"
-    clock, gbps = state.get("gpu_clock_mhz"), state.get("h2d_gbps")
+    clock = state.get("gpu_clock_mhz")
     note += f", GPU clock {clock} MHz" if isinstance(clock, (int, float)) else ""
-    return note + (f", H2D {gbps} GB/s pinned" if gbps else "")
+    if not link:
+        return note
+    return note + (f", H2D {link['max_gbps']} GB/s pinned (max of {len(link['trials_gbps'])} trials of "
+                   f"{link['bytes_per_trial'] / 2**30:.1f} GiB; median {link['median_gbps']}, min {link['min_gbps']})")

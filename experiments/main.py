@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 from experiments import records
 from experiments.experiments import EXPERIMENTS
+from experiments.link import RunLink, pinned_sources
+from experiments.override_keys import check_override_keys
 from experiments.machine import busy_warning, load_note, machine_state
-from experiments.result_runs import run_config
 from experiments.run_dirs import SWEEP_FUNCTIONS, SWEPT_KEYS_VARIABLE, results_dir, swept_keys
 from experiments.settings import check_run_settings, earlier_invocations, invocation, write_run_json
 from experiments.usage import usage
@@ -126,24 +127,33 @@ def run(cfg: DictConfig) -> Path:
     if resumed and cfg.resume is True and run_complete(out_dir):
         return nothing_to_do(cfg, out_dir)
     machine = machine_state(cfg.device)  # measured once: the header, the warning and run.json show it
-    h2d_gbps = (run_config(out_dir).get("h2d_gbps") if resumed else None) or machine.get("h2d_gbps")  # one per run
     opened: list[records.RecordWriter] = []
     calls: list[dict] = []  # run.json's invocations: the earlier ones (on resume) and this process
+    links: list[RunLink] = []  # this process's link, measured after the warm-ups
 
-    def open_writer() -> records.RecordWriter:
-        """Create the results directory only once the inputs are valid and the model is loaded."""
+    def save(complete: bool) -> None:
+        link = links[0].as_dict() if links else None
+        if calls:
+            calls[-1]["h2d"] = link
+        write_run_json(out_dir, cfg, complete=complete, invocations=calls, machine=machine, h2d=link)
+
+    def open_writer(model=None) -> records.RecordWriter:
+        """Create the results directory only once the inputs are valid and the model is loaded; the writer's
+        link measures `model`'s pinned memory."""
         out_dir.mkdir(parents=True, exist_ok=resumed)
         calls.extend(earlier_invocations(out_dir) if resumed else [])
-        writer = records.RecordWriter(out_dir, resume=resumed, h2d_gbps=h2d_gbps, invocation=len(calls))
+        device = model.device if model is not None else "cpu"
+        links.append(RunLink(device, lambda: pinned_sources(model), lambda _: save(complete=False)))
+        writer = records.RecordWriter(out_dir, resume=resumed, link=links[0], invocation=len(calls))
         calls.append(invocation(cfg, len(writer.rows), machine))
-        write_run_json(out_dir, cfg, complete=False, invocations=calls, machine=machine, h2d_gbps=h2d_gbps)
+        save(complete=False)
         opened.append(writer)
         return writer
 
     header, by = EXPERIMENTS[cfg.experiment.name](cfg, out_dir, open_writer)
     summary = records.write_summary(out_dir, opened[0].rows, by)
-    write_run_json(out_dir, cfg, complete=True, invocations=calls, machine=machine, h2d_gbps=h2d_gbps)
-    print(f"\n{header}{load_note(machine)}")
+    save(complete=True)
+    print(f"\n{header}{load_note(machine, links[0].as_dict() if links else None)}")
     print(records.format_table(summary))
     print(f"results: {out_dir}")
     busy = busy_warning(machine)
@@ -186,6 +196,7 @@ if __name__ == "__main__":
     try:
         sys.argv[1:] = checkpoint_overrides(token_cap_overrides(system_overrides(sys.argv[1:])))
         check_group_choices(sys.argv[1:])
+        check_override_keys(sys.argv[1:])
         os.environ[SWEPT_KEYS_VARIABLE] = ",".join(sorted(swept_keys(sys.argv[1:])))  # for a launcher's jobs
     except SpecterError as err:
         print(f"error: {err}", file=sys.stderr)

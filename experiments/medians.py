@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.records import read_records, same_run_ratios
+from experiments.records import read_records, same_run_ratios, token_summary
 
 PER_TOKEN = ("draft_ms", "verify_ms", "wait_ms")  # per run, divided by its generated tokens
 
@@ -37,6 +37,7 @@ def system_medians(records: pd.DataFrame) -> pd.DataFrame:
         row["mean_accepted_length"] = column(num, "mean_accepted_length").median()
         row["tokens_match_target"] = int(column(runs, "tokens_match_target").astype(str).str.lower()
                                          .isin(("true", "1", "yes")).sum())
+        row["token_check"] = token_summary(runs)
         rows.append(row)
     table = pd.DataFrame(rows)
     if table.empty:

@@ -8,6 +8,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.records import RecordWriter, record, unavailable
+from experiments.token_check import EQUAL, MISMATCH, TokenCheck, check_tokens
 from specter.errors import SpecterError
 from specter.metrics import gc_paused
 
@@ -57,7 +58,8 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
     """Every (dataset, prompt, repeat) on every system; rows go to `writer` as they finish.
 
     Repeat r visits the systems in an order rotated by r. Tokens of every system are compared with
-    target-only's on the same case; a mismatch is reported, and fatal with `strict`. `token_caps`
+    target-only's on the same case: equal, a numeric tie of the dtype, or a mismatch, which is reported, and
+    fatal with `strict`. `token_caps`
     (system -> tokens) lets a very slow system decode fewer tokens per case (its rows say how many;
     its tokens are checked against the same prefix of target-only's). Each system warms up once on the
     first prompt, for `warmup_tokens` (None: as many as its measured cases) within its cap; a system
@@ -84,6 +86,7 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
         return case_tokens(name, warmup_tokens or max_new_tokens)
 
     runnable = warm_up(pending, first, warm, unavailable_system) if first is not None else []
+    writer.measure_link()  # after the warm-ups, the GPU otherwise idle (once per process)
     total = sum(len(p) for p in prompts.values() if not isinstance(p, str)) * repeats * len(runnable)
     with tqdm(total=total, desc="decoding", unit="run", file=sys.stderr) as bar:
         for dataset, cases in prompts.items():
@@ -108,13 +111,22 @@ def _run_case(systems: list, key: dict, ids: torch.Tensor, case_tokens, writer: 
             tokens = case_tokens(system.name)
             with gc_paused():
                 results[system.name] = system.generate(ids, tokens)
+    target = next((s for s in systems if s.name == "target_only"), None)
     reference = results["target_only"].token_ids if "target_only" in results else None
     for name, result in results.items():
         check = None if name == "target_only" or reference is None else reference[: len(result.token_ids)]
-        if check is not None and result.token_ids != check:
-            message = f"{name} tokens differ from target-only on {key['dataset']} prompt {key['prompt_id']}"
-            if strict:
+        verdict = None if check is None else check_case(target, key, ids, result, check)
+        if verdict is not None and verdict.verdict != EQUAL:
+            message = f"{name} tokens on {key['dataset']} prompt {key['prompt_id']}: {verdict.text()}"
+            if strict and verdict.verdict == MISMATCH:
                 raise SpecterError(message + " (strict mode)")
-            if key["prompt_id"] == 0 and key["repeat"] == 0:
-                print(f"warning: {message}", file=sys.stderr)
-        writer.add(record({**key, "system": name}, result, check, writer.h2d_gbps))
+            if verdict.verdict == MISMATCH or (key["prompt_id"] == 0 and key["repeat"] == 0):
+                print(f"{'warning' if verdict.verdict == MISMATCH else 'note'}: {message}", file=sys.stderr)
+        writer.add(record({**key, "system": name}, result, check, writer.h2d_gbps, verdict))
+
+
+def check_case(target, key: dict, ids: torch.Tensor, result, reference: list[int]) -> TokenCheck:
+    """The case's tokens against target-only's: equal, a numeric tie or a mismatch (experiments.token_check)."""
+    k = int(key.get("k") or 1)
+    return check_tokens(target, ids, result.token_ids, reference, k, result.stats.get("windows"),
+                        result.stats.get("kv_cache_length"))

@@ -15,25 +15,29 @@ BYTES_STATS = ("decode_h2d_bytes_per_token", "prefill_h2d_bytes")  # the one def
 ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_length", "iterations",
              "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
              *BYTES_STATS, "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
-             "prefetch_precision", "prefetch_recall", "throughput_tok_s", "io_floor_ms")
+             "prefetch_precision", "prefetch_recall", "throughput_tok_s", "io_floor_ms", "link_gbps")
 KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size")
 FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target", "token_agreement",
-          "mechanisms", "invocation")
+          "token_check", "mechanisms", "invocation")
 SAME_CASE = ("dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size", "invocation")  # within one run
 
 
-def record(key: dict, result: GenerationResult, reference: list[int] | None, h2d_gbps: float | None = None) -> dict:
-    """One result row; `reference` is target-only's tokens for the same case (None when not run); `h2d_gbps`
-    is the run's one pinned host-to-device bandwidth (None without a GPU): the row's I/O floor, io_floor_ms,
-    is its decoding bytes per committed token at that rate (empty for a system that moves no experts)."""
+def record(key: dict, result: GenerationResult, reference: list[int] | None, h2d_gbps: float | None = None,
+           check=None) -> dict:
+    """One result row; `reference` is target-only's tokens for the same case (None when not run), `check` the
+    verdict on them (experiments.token_check.TokenCheck: equal, numeric tie or MISMATCH); `h2d_gbps` is the
+    link's measured rate (None without a GPU): the row's I/O floor, io_floor_ms, is its decoding bytes per
+    committed token at that rate (empty for a system that moves no experts)."""
     row = {**key, "status": "ok"}
     row.update({stat: result.stats.get(stat, float("nan")) for stat in ROW_STATS})
     floor = io_floor_ms(row["decode_h2d_bytes_per_token"], h2d_gbps)
     row["io_floor_ms"] = "" if floor != floor else floor  # empty without a GPU or without bytes
+    row["link_gbps"] = h2d_gbps if h2d_gbps else ""
     row["accepted_length_histogram"] = json.dumps(result.stats.get("accepted_length_histogram", {}))
     row["mechanisms"] = mechanisms_ran(result.stats.get("mechanisms"))
     row["tokens_match_target"] = "" if reference is None else ("yes" if result.token_ids == reference else "no")
     row["token_agreement"] = "" if reference is None else token_agreement(result.token_ids, reference)
+    row["token_check"] = "" if check is None else check.text()
     return row
 
 
@@ -54,14 +58,15 @@ def unavailable(key: dict, reason: str) -> dict:
 
 
 def read_records(path: Path, repair: bool = False) -> pd.DataFrame:
-    """records.csv as a frame, without a torn last line (a write cut by power loss or a full disk: the
-    file does not end in a newline), which is reported on stderr; with `repair` it is cut from the file
-    too, so that appended rows start on a line of their own."""
+    """records.csv as a frame, without a torn last row (a write cut by a kill, power loss or a full disk: the
+    file does not end in a newline, or its last row has too few fields or an `ok` row's TPOT does not parse),
+    which is reported on stderr; with `repair` it is cut from the file too, so that appended rows start on a
+    line of their own and its case is decoded again."""
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        keep = data[:data.rfind(b"\n") + 1]
-        print(f"warning: {path}: dropped a torn last line ({len(data) - len(keep)} bytes, no newline); "
-              f"that case counts as not run", file=sys.stderr)
+    keep = whole_rows(data)
+    if len(keep) < len(data):
+        print(f"warning: {path}: dropped a torn last row ({len(data) - len(keep)} bytes); that case counts as "
+              f"not run", file=sys.stderr)
         if repair:
             with open(path, "r+b") as f:
                 f.truncate(len(keep))
@@ -71,18 +76,41 @@ def read_records(path: Path, repair: bool = False) -> pd.DataFrame:
     return pd.read_csv(io.BytesIO(data), keep_default_na=False)
 
 
+def whole_rows(data: bytes) -> bytes:
+    """`data` (a records.csv's bytes) up to the end of its last whole row."""
+    keep = data[:data.rfind(b"\n") + 1]
+    lines = keep.splitlines(keepends=True)
+    if len(lines) < 2:
+        return keep
+    header, last = (next(csv.reader([line.decode(errors="replace")]), []) for line in (lines[0], lines[-1]))
+    row = dict(zip(header, last))
+    whole = len(last) == len(header) and row.get("invocation") != ""  # the writer's last column, never empty
+    if whole and (row.get("status") != "ok" or parses_as_float(row.get("tpot_ms"))):
+        return keep
+    return keep[:len(keep) - len(lines[-1])]
+
+
+def parses_as_float(text: str | None) -> bool:
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 class RecordWriter:
     """Appends rows to <dir>/records.csv as they are produced (a crash keeps what was measured).
 
-    With `resume`, rows already in the file are kept and `done(key)` tells which cases to skip. `h2d_gbps`:
-    the run's one host-to-device bandwidth, for every row's I/O floor; `invocation`: the index in run.json's
-    invocations of the process writing (rows of one invocation ran in one process on one host).
+    With `resume`, rows already in the file are kept and `done(key)` tells which cases to skip. `link`: the
+    process's RunLink, measured by `measure_link()` after the warm-ups, whose rate gives every later row its I/O
+    floor (`h2d_gbps`: a rate known beforehand instead); `invocation`: the index in run.json's invocations of the
+    process writing (rows of one invocation ran in one process on one host).
     """
 
     def __init__(self, out_dir: Path, resume: bool = False, h2d_gbps: float | None = None,
-                 invocation: int = 0) -> None:
+                 invocation: int = 0, link=None) -> None:
         self.path = out_dir / "records.csv"
-        self.h2d_gbps, self.invocation = h2d_gbps, invocation
+        self.fixed_gbps, self.link, self.invocation = h2d_gbps, link, invocation
         self.rows: list[dict] = []
         self.fields = FIELDS
         if resume and self.path.exists():
@@ -92,6 +120,16 @@ class RecordWriter:
             with open(self.path, "w", newline="") as f:
                 csv.DictWriter(f, fieldnames=FIELDS).writeheader()
         self._done = {self._key(r) for r in self.rows if r.get("status") == "ok"}
+
+    @property
+    def h2d_gbps(self) -> float | None:
+        """The rate of the rows' I/O floors: the link's measured maximum (None before it is measured)."""
+        return self.link.floor_gbps if self.link is not None else self.fixed_gbps
+
+    def measure_link(self) -> None:
+        """Measure the link now (once; after the warm-ups, with the GPU otherwise idle)."""
+        if self.link is not None:
+            self.link.measure()
 
     @staticmethod
     def _key(row: dict) -> tuple:
@@ -151,6 +189,8 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
     summary["decode_mb_per_token"] = summary.pop("decode_h2d_bytes_per_token") / 1e6
     if "io_floor_ms" in summary:
         summary["tpot_over_io_floor"] = summary.tpot_median_ms / summary.io_floor_ms
+    if ok.link_gbps.notna().any():
+        summary["rate_over_link"] = ok.assign(rate=rate_over_link(ok)).groupby(list(by), sort=False).rate.max().values
     summary["tokens_identical"] = [_identical(ok, row, by) for _, row in summary.iterrows()]
     summary["tpot_over_specter"] = summary.set_index(list(by)).index.map(same_run_ratios(ok, list(by))).values
     if "dataset" in by:  # AVG's ratio: the mean of its datasets' same-run ratios
@@ -169,13 +209,41 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
     return summary
 
 
+def rate_over_link(ok: pd.DataFrame) -> pd.Series:
+    """Per row: the faster of its decode copies' own rate and its bytes per committed token over its TPOT, over the
+    link rate measured for the run (above 1: the system moved data faster than the measured link, so the
+    measurement, and every floor from it, is too low)."""
+    moved = ok.decode_h2d_bytes_per_token / (ok.tpot_ms * 1e6)  # GB/s the decode needed on average
+    return pd.concat([ok.h2d_gbps, moved], axis=1).max(axis=1) / ok.link_gbps
+
+
 def _identical(ok: pd.DataFrame, row, by) -> str:
     mask = pd.Series(True, index=ok.index)
     for col in by:
         mask &= ok[col] == row[col]
-    checks = ok[mask].tokens_match_target.astype(str)
-    checks = checks[checks != ""]
-    return "" if checks.empty else ("yes" if (checks == "yes").all() else "no")
+    return token_summary(ok[mask])
+
+
+def token_verdict(check: str, match: str) -> str:
+    """One case's verdict from its `token_check` text, or from `tokens_match_target` in a file without it:
+    equal, tie, MISMATCH, differ (not classified) or "" (not compared)."""
+    if check:
+        return "tie" if check.startswith("numeric tie") else check.split()[0]
+    return {"yes": "equal", "no": "differ"}.get(match.lower(), "")
+
+
+def token_summary(rows: pd.DataFrame) -> str:
+    """`15/15 equal`, `14/15 equal, 1 numeric tie`, `13/15 equal, 2 MISMATCH`: the cases' verdicts against
+    target-only ("" where none was compared)."""
+    empty = pd.Series("", index=rows.index)
+    checks, matches = (rows.get(c, empty).fillna("").astype(str) for c in ("token_check", "tokens_match_target"))
+    verdicts = [v for v in map(token_verdict, checks, matches) if v]
+    if not verdicts:
+        return ""
+    counts = {v: verdicts.count(v) for v in ("tie", "MISMATCH", "differ")}
+    names = {"tie": "numeric tie", "MISMATCH": "MISMATCH", "differ": "differ (not classified)"}
+    extra = [f"{n} {names[v]}{'s' if v == 'tie' and n > 1 else ''}" for v, n in counts.items() if n]
+    return ", ".join([f"{verdicts.count('equal')}/{len(verdicts)} equal", *extra])
 
 
 def same_run_ratios(ok: pd.DataFrame, by: list[str], reference: str = "specter") -> pd.Series:
@@ -232,7 +300,14 @@ def format_table(summary: pd.DataFrame, width: int = 120) -> str:
     lines = [text] if text else []
     lines += [f"{row.system} / {row.get('dataset', '-')}: {_cut(str(row.status), width - 20)}"
               for _, row in summary[failed].iterrows()]
-    lines += peer_floor_lines(ok)
+    over = pd.to_numeric(ok["rate_over_link"], errors="coerce") if "rate_over_link" in ok else pd.Series(dtype=float)
+    beaten = ok[over.reindex(ok.index) > 1]
+    if len(beaten):
+        worst = beaten.loc[beaten.rate_over_link.idxmax()]
+        lines.append(f"warning: {worst.system} moved data {worst.rate_over_link:.2f}x faster than the measured link "
+                     f"rate: that measurement is too low, so the I/O floors and x floor are not trustworthy")
+    else:
+        lines += peer_floor_lines(ok)
     if "tpot_over_specter" in ok:
         lines.append("TPOT and the other columns: medians over decodes; x Specter: TPOT / Specter's on the same "
                      "cases (>1: Specter faster)")

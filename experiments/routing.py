@@ -35,11 +35,12 @@ def run_routing(cfg, out_dir: Path, open_writer):
     model, config = load(cfg)
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
     engine = build_system("specter", model, config)
-    writer = open_writer()
+    writer = open_writer(model)
     sets, counts, traces, drafts = [], {}, [], []
     first = next((p[0] for p in prompts.values() if not isinstance(p, str)), None)
     if first is not None:
         warm_up([engine], first, cfg.warmup_tokens or cfg.max_new_tokens)
+        writer.measure_link()
     for dataset, cases in prompts.items():
         key = {"system": "specter", "dataset": dataset, "k": config.k, "prefix_tokens": cfg.prefix_tokens}
         if isinstance(cases, str):

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -42,9 +43,26 @@ def results_dir(cfg) -> tuple[Path, bool]:
             path = base.with_name(f"{base.name}.{n}")
     if cfg.resume and not path.exists():
         raise SpecterError(f"nothing to resume: {path} does not exist (drop resume= to start a new run)")
+    if not path.exists():
+        check_creatable(path)
     if cfg.resume is True:
         check_same_config(path, cfg)
     return path, bool(cfg.resume)
+
+
+def check_creatable(path: Path) -> None:
+    """One-line error unless `path` can be created (it is not made here): its nearest existing parent must be a
+    directory in which a directory can be made, which a temporary one tries (os.access says yes to root even
+    where nothing can be made, as under /proc)."""
+    parent = path.absolute().parent
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not parent.is_dir():
+        raise SpecterError(f"results directory {path} cannot be created: {parent} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".specter-probe-", dir=parent))
+    except OSError:
+        raise SpecterError(f"results directory {path} cannot be created: {parent} is not writable") from None
 
 
 NAMED_KEYS = ("model", "mem", "results_root", "results_dir", "resume")  # said by the name or not a setting

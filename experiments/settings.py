@@ -6,7 +6,6 @@ import importlib.metadata
 import json
 import math
 import os
-import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import provenance
 from experiments.machine import machine_state
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
@@ -219,23 +219,25 @@ def whole_number(value, name: str, least: int | None, alternatives: str = "") ->
 
 
 def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] | None = None,
-                   machine: dict | None = None, h2d_gbps: float | None = None) -> None:
+                   machine: dict | None = None, h2d: dict | None = None) -> None:
     """run.json: resolved config, the checkpoint directory read (absolute; null for seeded weights), git
     commit, device, package versions, whether the run finished and, where given, `invocations`: one entry per
     process that wrote rows (see `invocation`). The top-level commit, GPU and machine are the latest one's
-    (`machine`: the state this process measured once at its start; measured now where not given), and
-    `h2d_gbps`, the one pinned host-to-device bandwidth of every row's io_floor_ms (null without a GPU)."""
+    (`machine`: the state this process measured once at its start; measured now where not given), and `h2d`,
+    this process's pinned host-to-device link measurement (every trial, max, median, min; null without a GPU or
+    before it is measured), whose maximum `h2d_gbps` is the rate of its rows' io_floor_ms."""
     checkpoint = checkpoint_path(cfg)
     info = {
         "complete": complete,
         "workload": workload(cfg),
         "checkpoint": None if checkpoint is None else str(checkpoint.resolve()),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "git_commit": _git_commit(),
-        "git_dirty": _git_dirty(),  # tracked files differ from git_commit (or a copy whose .git is stale)
+        "git_commit": provenance.commit(),
+        "git_dirty": provenance.dirty(),  # None: not known (no own repository, or $SPECTER_COMMIT)
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": machine if machine is not None else machine_state(cfg.device),
-        "h2d_gbps": h2d_gbps,
+        "h2d_gbps": None if h2d is None else h2d["max_gbps"],
+        "h2d": h2d,
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
     }
@@ -248,7 +250,7 @@ def invocation(cfg, first_row: int, machine: dict) -> dict:
     """What one process resuming (or starting) a results directory ran under: its start time (UTC), git
     commit, GPU and machine (`machine`: measured once at the process's start), and `first_row`, the 0-based index in records.csv of the first row it writes
     (rows are appended, so entry i wrote rows first_row[i] to first_row[i+1] - 1)."""
-    return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
+    return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git_commit": provenance.commit(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "machine": machine, "first_row": first_row}
 
@@ -277,27 +279,6 @@ def workload(cfg) -> str:
             "calibrated": "calibrated weights (real routing locality and acceptance)"}.get(cfg.model.weights,
                                                                                           cfg.model.weights)
     return f"{cfg.model.name}: {kind}{depth}"
-
-
-def _git_commit() -> str | None:
-    """HEAD of this tree, or SPECTER_GIT_COMMIT where set (a copy whose .git lags the tree, e.g. the device's)."""
-    if os.environ.get("SPECTER_GIT_COMMIT"):
-        return os.environ["SPECTER_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _git_dirty() -> bool | None:
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
-        return bool(out.stdout.strip()) if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _version(name: str) -> str | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.medians import system_medians
-from experiments.records import read_records
+from experiments.records import rate_over_link, read_records
 from experiments.result_runs import run_config
 from experiments.summarize import results_dirs
 
@@ -41,10 +41,10 @@ def run_block(directory: Path) -> str:
         return f"### {directory.name}\n\nno measured rows\n"
     table["mb_per_token"] = table.gb_per_token * 1e3
     table["x_floor"] = table.tpot_ms / table.io_floor_ms
-    table["tokens"] = [f"{row.tokens_match_target}/{row.cases}" if row.system != "target_only" else "(reference)"
+    table["tokens"] = [row.token_check or "-" if row.system != "target_only" else "(reference)"
                        for row in table.itertuples()]
     lines = [f"### {setup_line(info, records)}", "", markdown(table)]
-    lines += [f"- {line}" for line in peer_floor_lines(table)]
+    lines += [f"- {line}" for line in link_lines(records) or peer_floor_lines(table)]
     missing = records[records.status != "ok"].drop_duplicates("system")
     lines += [f"- {row.system}: {row.status}" for row in missing.itertuples() if row.system not in set(table.system)]
     return "\n".join(lines) + "\n"
@@ -61,6 +61,22 @@ def setup_line(info: dict, records: pd.DataFrame) -> str:
     return (f"{model.get('label') or model.get('name')} ({model.get('weights')}), mem={mem.get('name')}, K={ks}: "
             f"{len(ok)} decodes ({datasets}; {repeats} repeat{'' if repeats == 1 else 's'}), {info.get('gpu') or 'CPU'}, "
             f"commit {str(info.get('git_commit'))[:7]}, H2D {f'{gbps} GB/s' if gbps else 'not measured (no GPU)'}")
+
+
+def link_lines(records: pd.DataFrame) -> list[str]:
+    """A warning where a system's decode moved data faster than the run's measured link (its floors are then too
+    low to compare against); [] otherwise, and for runs from before the link's rate was recorded per row."""
+    ok = records[records.status == "ok"]
+    if "link_gbps" not in ok or pd.to_numeric(ok.link_gbps, errors="coerce").isna().all():
+        return []
+    ok = ok.assign(**{c: pd.to_numeric(ok[c], errors="coerce")
+                      for c in ("link_gbps", "h2d_gbps", "decode_h2d_bytes_per_token", "tpot_ms")})
+    over = rate_over_link(ok)
+    if not (over > 1).any():
+        return []
+    worst = ok.loc[over.idxmax()]
+    return [f"warning: {worst.system} moved data {over.max():.2f}x faster than the measured link rate: the floors "
+            f"are not trustworthy"]
 
 
 def peer_floor_lines(table: pd.DataFrame) -> list[str]:

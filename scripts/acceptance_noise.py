@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from experiments.datasets import DATASETS, local_datasets, prompts_for  # noqa: E402
+from experiments.provenance import commit  # noqa: E402
 from specter.models.calibrated import acceptance_direction  # noqa: E402
 from specter.models.loading import load_model  # noqa: E402
 
@@ -65,14 +65,6 @@ def measure(name: str, layers: int, dtype: str, tokens: int, seed: int) -> dict:
             "noise_over_signal": noise_rms / signal_rms if signal_rms else float("nan")}
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen"])
@@ -96,7 +88,7 @@ def main() -> None:
     for name in args.models:
         for layers in args.layers:
             for dtype in args.dtypes:
-                row = {"commit": commit(), **measure(name, layers, dtype, args.tokens, args.seed)}
+                row = {"commit": commit(short=True) or "unknown", **measure(name, layers, dtype, args.tokens, args.seed)}
                 print(" | ".join(f"{row[f]:.4g}" if isinstance(row[f], float) else str(row[f]) for f in fields),
                       flush=True)
                 if writer:

@@ -13,7 +13,7 @@ from specter.engine import SpecterEngine
 from specter.errors import SpecterError
 from specter.models.loading import check_model_source, load_model
 from specter.offload.budget import plan_memory
-from specter.text import check_request, generate_text
+from specter.text import check_request, generate_text, printable
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KNOWN_MECHANISMS = ("draft_graph", "draft_ahead")  # stats that say whether a mechanism ran, before "mechanisms"
@@ -85,6 +85,14 @@ def summary(result) -> str:
             f"mechanisms: {mechanisms(stats)}]")
 
 
+def random_weights_note(model) -> str | None:
+    """The stderr line for a model whose weights are seeded random numbers (a registered tiny model: it has no
+    checkpoint, so it is built synthetic), whose text means nothing; None for a checkpoint."""
+    if not model.spec.is_tiny:
+        return None
+    return f"note: {model.spec.name} has random weights (no checkpoint), so its text is not meaningful"
+
+
 def generate(args: argparse.Namespace) -> int:
     check_request(args.prompt, args.max_new_tokens)
     check_model_source(args.model)  # unknown names and missing directories fail before any loading
@@ -98,8 +106,10 @@ def generate(args: argparse.Namespace) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a console that cannot show a character shows "?"
     result = generate_text(engine, args.prompt, args.max_new_tokens, chat=args.chat,
-                           stream=lambda piece: print(piece, end="", flush=True))
+                           stream=lambda piece: print(printable(piece), end="", flush=True))
     print(flush=True)
+    if note := random_weights_note(model):
+        print(note, file=sys.stderr, flush=True)
     print(summary(result), file=sys.stderr, flush=True)
     return 0
 

@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
+from transformers import StaticCache
 
 from specter.batch.engine import generate_batch
 from specter.config import MAX_CACHE_LEN, SpecterConfig
@@ -89,8 +90,9 @@ class SpecterEngine:
             if is_batch(input_ids):
                 if on_commit is not None:
                     raise SpecterError("on_commit streams a single request; a batch returns its results at the end")
-                return generate_batch(self, check_batch(input_ids, max_new_tokens, vocab), max_new_tokens, eos_token_id)
-            prompt = check_prompt(input_ids, max_new_tokens, vocab)
+                prompts = check_batch(input_ids, max_new_tokens, vocab, self.model.max_positions)
+                return generate_batch(self, prompts, max_new_tokens, eos_token_id)
+            prompt = check_prompt(input_ids, max_new_tokens, vocab, self.model.max_positions)
             return self._generate_one(prompt, max_new_tokens, eos_token_id, on_commit or (lambda tokens: None))
 
     def generate_text(self, prompt: str, max_new_tokens: int = 128, *, chat: bool = False,
@@ -122,7 +124,9 @@ class SpecterEngine:
             metrics.window(k, accepted)
             self.close_window(plan)
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)
-        return GenerationResult(tokens, self.stats(metrics))
+        stats = self.stats(metrics)
+        stats["kv_cache_length"] = static_length(state.cache)  # the verify windows' KV, for a replay of them
+        return GenerationResult(tokens, stats)
 
     def speculate(self, state: StateManager, k: int, metrics: DecodeMetrics, ahead: AheadWindow | None = None,
                   remaining: int = 0) -> tuple[list[int], int, WindowPlan | None, AheadWindow | None]:
@@ -269,6 +273,13 @@ class SpecterEngine:
         if not (self.config.cuda_graph and self.config.greedy and self.model.device.type == "cuda"):
             return None
         return self.graphs.static_cache(None, length + self.config.k + 2, MAX_CACHE_LEN)
+
+
+def static_length(cache) -> int | None:
+    """A static KV cache's preallocated length; None for a dynamic one."""
+    if not isinstance(cache, StaticCache):
+        return None
+    return int(cache.get_max_length() if hasattr(cache, "get_max_length") else cache.max_cache_len)
 
 
 def _ended(tokens: list[int], eos: int | None) -> bool:

@@ -118,6 +118,7 @@ class DecodeMetrics:
             "ttft_ms": per_token[0] if per_token else float("nan"),
             "e2e_ms": per_token[-1] if per_token else float("nan"),
             "iterations": len(self.windows),
+            "windows": [list(w) for w in self.windows],  # (k drafted, n accepted) per verify pass
         }
         stats.update(acceptance_stats(self.windows))
         for phase, spans in self._phases.items():

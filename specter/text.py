@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from specter.errors import SpecterError
 
 REPLACEMENT = "\ufffd"  # what a decode gives for an incomplete UTF-8 sequence at the end of the tokens so far
 UNSETTLED_END = re.compile(rf"[\s{REPLACEMENT}]+$")  # text a later token may still change: U+FFFD and whitespace
+SHOWN_AS_IS = frozenset("\n\t\u200c\u200d")  # newline, tab and the joiners that emoji and some scripts need
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,17 @@ class TextResult:
     text: str
     token_ids: list[int]
     stats: dict
+
+
+def printable(text: str) -> str:
+    """`text` safe for a terminal: every character Python does not count as printable (control characters such as
+    the bell or an escape sequence's ESC, format and unassigned code points) as its escape, e.g. `\\x07`;
+    newline, tab, the joiners and spaces are kept as they are."""
+    return "".join(char if shown_as_is(char) else char.encode("unicode_escape").decode("ascii") for char in text)
+
+
+def shown_as_is(char: str) -> bool:
+    return char.isprintable() or char in SHOWN_AS_IS or unicodedata.category(char) == "Zs"
 
 
 def check_request(prompt, max_new_tokens) -> None:

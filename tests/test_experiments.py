@@ -81,6 +81,16 @@ def test_figures_render_from_the_files(results):
     assert figures_main([str(results / "nothing-here")]) == 2
 
 
+def test_figure15_draws_tpot_and_throughput_on_log_axes(results, tmp_path, monkeypatch):
+    from experiments import figures
+    axes, save = [], figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, *args: axes.extend(fig.axes) or save(fig, *args))
+    assert figures.figure15_batch(results, tmp_path)
+    left, right = axes
+    assert left.get_yscale() == right.get_yscale() == "log"
+    assert left.get_ylabel() == "TPOT (ms, median, log scale)" and "log scale" in right.get_ylabel()
+
+
 def test_figure14_tells_the_two_specters_apart(results, tmp_path, monkeypatch):
     import matplotlib.figure
 

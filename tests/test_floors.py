@@ -4,8 +4,9 @@ import json
 import pandas as pd
 import pytest
 
-import experiments.machine as machine
+import specter.offload.pinned as pinned
 from experiments.main import run
+from specter.offload.pinned import LinkMeasurement
 from tests.cli import compose_with
 
 PEERS = "systems=[specter,specter_paper,target_only,mo_sm,specmoeoff_sm]"
@@ -24,18 +25,31 @@ def test_every_system_that_moves_experts_has_bytes_and_no_floor_without_a_gpu(tm
     moving = records[records.system != "target_only"].set_index("system")
     assert (moving.decode_h2d_bytes_per_token > 0).all() and (moving.prefill_h2d_bytes > 0).all()
     assert records.io_floor_ms.isna().all()  # no PCIe on a CPU: the floor columns stay empty
-    assert info["h2d_gbps"] is None and info["machine"]["h2d_gbps"] is None
+    assert info["h2d_gbps"] is None and info["h2d"] is None
     out = capsys.readouterr().out
     assert "MB/token" in out and "x floor" not in out and "I/O floor" not in out
 
 
+def fake_link(rates: tuple[float, ...], seen: list | None = None):
+    """A stand-in for pinned.measure_link: the trials' rates it reports, the sources it was given in `seen`."""
+    def measure(device, sources=()):
+        if seen is not None:
+            seen.append(list(sources))
+        return LinkMeasurement(rates, 2**30, "fake")
+    return measure
+
+
 @pytest.mark.slow
-def test_one_bandwidth_gives_every_row_its_floor_and_specter_the_lowest_peer_floor(tmp_path, monkeypatch, capsys):
-    calls = []
-    monkeypatch.setattr(machine, "pinned_h2d_gbps", lambda device: calls.append(device) or 25.0)
+def test_the_link_measured_after_the_warm_ups_gives_every_row_its_floor_and_specter_the_lowest_peer_floor(
+        tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(pinned, "measure_link", fake_link((20.0, 25.0, 24.0), seen))
     records, info, out_dir = run_tiny(tmp_path, monkeypatch, "systems=[specter,mo_sm,specmoeoff_sm]")
-    assert len(calls) == 1 and info["h2d_gbps"] == 25.0  # measured once, in run.json
+    assert len(seen) == 1 and seen[0] and all(t.device.type == "cpu" for t in seen[0])  # the host store's layers
+    assert info["h2d_gbps"] == 25.0 and info["h2d"]["trials_gbps"] == [20.0, 25.0, 24.0]  # max for floors
+    assert info["h2d"]["median_gbps"] == 24.0 and info["h2d"]["min_gbps"] == 20.0
     assert records.io_floor_ms.tolist() == pytest.approx((records.decode_h2d_bytes_per_token / 25e6).tolist())
+    assert (records.link_gbps == 25.0).all()
     summary = pd.read_csv(out_dir / "summary.csv").set_index(["system", "dataset"])
     peers = summary.loc[[("mo_sm", "builtin"), ("specmoeoff_sm", "builtin")]]
     lowest = peers.io_floor_ms.idxmin()[0]
@@ -45,10 +59,21 @@ def test_one_bandwidth_gives_every_row_its_floor_and_specter_the_lowest_peer_flo
     assert specter.tpot_over_io_floor == pytest.approx(specter.tpot_median_ms / specter.io_floor_ms)
     out = capsys.readouterr().out
     assert "x floor" in out and f"specter / builtin: TPOT {specter.tpot_over_peer_floor:.2f}x {lowest}'s I/O floor" in out
-    monkeypatch.setattr(machine, "pinned_h2d_gbps", lambda device: 99.0)  # a resumed run keeps its bandwidth
-    resumed = run(compose_with("systems=[specter,mo_sm,specmoeoff_sm]", *FAST, f"results_root={tmp_path}", f"results_dir={out_dir}", "resume=force",
-                               "repeats=2"))
+    assert "H2D 25.0 GB/s pinned (max of 3 trials of 1.0 GiB; median 24.0, min 20.0)" in out
+    monkeypatch.setattr(pinned, "measure_link", fake_link((99.0,)))  # a resumed process measures its own link
+    resumed = run(compose_with("systems=[specter,mo_sm,specmoeoff_sm]", *FAST, f"results_root={tmp_path}",
+                               f"results_dir={out_dir}", "resume=force", "repeats=2"))
     info = json.loads((resumed / "run.json").read_text())
-    assert info["h2d_gbps"] == 25.0 and [c["machine"]["h2d_gbps"] for c in info["invocations"]] == [25.0, 99.0]
+    assert [c["h2d"]["max_gbps"] for c in info["invocations"]] == [25.0, 99.0] and info["h2d_gbps"] == 99.0
     rows = pd.read_csv(resumed / "records.csv")
     assert sorted(set(rows.invocation)) == [0, 1]
+    assert rows.groupby("invocation").link_gbps.unique().map(list).tolist() == [[25.0], [99.0]]
+
+
+@pytest.mark.slow
+def test_a_link_slower_than_what_a_system_moved_is_reported_and_no_floor_claim_is_printed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pinned, "measure_link", fake_link((1e-9,)))  # far below any decode's bytes per TPOT
+    run_tiny(tmp_path, monkeypatch, "systems=[specter,mo_sm]")
+    out = capsys.readouterr().out
+    assert "faster than the measured link rate: that measurement is too low" in out
+    assert "I/O floor, the lowest" not in out and "no implementation" not in out

@@ -30,7 +30,8 @@ def test_a_capped_system_decodes_fewer_tokens_checked_against_the_same_prefix(tm
     assert target.calls[-1] == 12 and slow.calls[-1] == 4 and wrong.calls[-1] == 5  # the last call is the case
     rows = {r["system"]: r for r in writer.rows}
     assert rows["slow"]["generated_tokens"] == 4 and rows["slow"]["tokens_match_target"] == "yes"
-    assert rows["wrong"]["tokens_match_target"] == "no"
+    assert rows["wrong"]["tokens_match_target"] == "no" and rows["wrong"]["token_check"] == "MISMATCH at token 2"
+    assert rows["slow"]["token_check"] == "equal"
     assert rows["target_only"]["generated_tokens"] == 12
 
 

@@ -1,4 +1,4 @@
-"""records.csv: a torn last line (a cut write) is dropped on resume and by summarize, with a message."""
+"""records.csv: a torn last row (a cut write) is dropped on resume and by summarize, with a message."""
 import json
 
 import pytest
@@ -19,12 +19,29 @@ def test_a_torn_last_line_is_dropped_and_cut_on_resume(tmp_path, capsys):
     with open(tmp_path / "records.csv", "a") as f:
         f.write("specter,gsm8k,0,1,4,,1,ok,11.")  # the write of repeat 1, cut
     resumed = RecordWriter(tmp_path, resume=True)
-    assert "torn last line" in capsys.readouterr().err
+    assert "torn last row" in capsys.readouterr().err
     assert len(resumed.rows) == 2 and not resumed.done(row("specter", 1))
     resumed.add(row("specter", 1))
     frame = read_records(tmp_path / "records.csv")
     assert list(frame.repeat) == [0, 0, 1] and list(frame.tpot_ms) == [10.0, 10.0, 11.0]
     assert (tmp_path / "records.csv").read_text().endswith("\n")
+
+
+@pytest.mark.parametrize("newline", [b"", b"\n"])  # a cut write; and one that a tool closed with a newline
+def test_a_last_row_cut_at_any_byte_is_dropped_and_its_case_decoded_again(tmp_path, newline, capsys):
+    writer = RecordWriter(tmp_path)
+    writer.add(row("specter", 0))
+    writer.add({**row("target_only", 0), "mechanisms": "prefetch expert_wise", "accepted_length_histogram": '{"1": 2}'})
+    path = tmp_path / "records.csv"
+    whole = path.read_bytes()
+    start = whole.rstrip(b"\r\n").rfind(b"\n") + 1  # where the last row begins
+    for cut in range(start + 1, len(whole) - 2):  # every byte of it but its own line end
+        path.write_bytes(whole[:cut] + newline)
+        resumed = RecordWriter(tmp_path, resume=True)
+        assert [r["system"] for r in resumed.rows] == ["specter"], cut
+        assert resumed.done(row("specter", 0)) and not resumed.done(row("target_only", 0)), cut
+        assert path.read_bytes() == whole[:start], cut  # cut from the file: the next row starts on its own line
+    capsys.readouterr()
 
 
 def test_summarize_drops_a_torn_last_line(tmp_path, capsys):
@@ -34,7 +51,7 @@ def test_summarize_drops_a_torn_last_line(tmp_path, capsys):
     with open(tmp_path / "records.csv", "a") as f:
         f.write("target_only,gsm8k,0,0,4,,1,ok,1" + ",x" * 40)  # a row with too many fields and no newline
     summary = summarize_dir(tmp_path)
-    assert "torn last line" in capsys.readouterr().err
+    assert "torn last row" in capsys.readouterr().err
     assert set(summary.system) == {"specter"}
 
 

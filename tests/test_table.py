@@ -35,8 +35,8 @@ def test_each_run_is_one_block_with_its_own_ratios_and_floors(tmp_path, capsys):
                           "abcdef1, H2D 50.0 GB/s")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in low.splitlines()
             if line.startswith("| ") and "---" not in line and "system" not in line}
-    assert rows["specter"] == ["11.00", "1.00", "500.0", "10.00", "1.10", "2/2"]
-    assert rows["mo_sm"][:5] == ["44.00", "4.00", "400.0", "8.00", "5.50"] and rows["mo_sm"][5] == "1/2"
+    assert rows["specter"] == ["11.00", "1.00", "500.0", "10.00", "1.10", "2/2 equal"]
+    assert rows["mo_sm"][:5] == ["44.00", "4.00", "400.0", "8.00", "5.50"] and rows["mo_sm"][5] == "1/2 equal, 1 differ (not classified)"
     assert rows["target_only"][-1] == "(reference)" and rows["target_only"][2] == "-"  # moves nothing: no floor
     assert "- specter: TPOT 1.38x mo_sm's I/O floor (8.00 ms), the lowest among the other systems" in low
     assert "- llama_cpp: unavailable: no CUDA build staged" in low
@@ -77,3 +77,18 @@ def test_the_readme_table_is_the_committed_table_of_record():
     root = Path(__file__).resolve().parent.parent
     text = (root / "README.md").read_text()
     assert readme_with_table(text, root) == text
+
+
+def test_a_run_whose_decode_beat_its_measured_link_warns_instead_of_comparing_floors(tmp_path, capsys):
+    directory = tmp_path / "main" / "dsv2-low"
+    directory.mkdir(parents=True)
+    (directory / "run.json").write_text(json.dumps(RUN))
+    writer = RecordWriter(directory, h2d_gbps=50.0)
+    for system, tpot, copy_gbps in (("specter", 10.0, 49.0), ("mo_sm", 40.0, 55.0)):  # mo_sm's copies beat 50 GB/s
+        writer.add({"system": system, "dataset": "gsm8k", "prompt_id": 0, "repeat": 0, "k": 32, "status": "ok",
+                    "tpot_ms": tpot, "decode_h2d_bytes_per_token": 4e8, "io_floor_ms": 8.0, "link_gbps": 50.0,
+                    "h2d_gbps": copy_gbps, "tokens_match_target": "yes", "generated_tokens": 128})
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: mo_sm moved data 1.10x faster than the measured link rate" in out
+    assert "the lowest among the other systems" not in out

@@ -97,8 +97,10 @@ class SpecMoEOff:
         with self.serving():
             vocab = self.model.vocab_size
             if is_batch(input_ids):
-                return generate_microbatches(self, check_batch(input_ids, max_new_tokens, vocab), max_new_tokens)
-            return self._generate_one(check_prompt(input_ids, max_new_tokens, vocab), max_new_tokens)
+                prompts = check_batch(input_ids, max_new_tokens, vocab, self.model.max_positions)
+                return generate_microbatches(self, prompts, max_new_tokens)
+            prompt = check_prompt(input_ids, max_new_tokens, vocab, self.model.max_positions)
+            return self._generate_one(prompt, max_new_tokens)
 
     def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int) -> GenerationResult:
         self.begin_request()

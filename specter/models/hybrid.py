@@ -57,6 +57,12 @@ class HybridMoEModel:
         return self.hf.get_input_embeddings().weight.shape[0]
 
     @property
+    def max_positions(self) -> int | None:
+        """The context the model holds: a prompt's tokens plus the new ones (the config's max_position_embeddings)."""
+        positions = getattr(self.hf.config, "max_position_embeddings", None)
+        return int(positions) if positions else None
+
+    @property
     def num_moe_layers(self) -> int:
         return len(self.experts)
 
