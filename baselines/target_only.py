@@ -44,8 +44,9 @@ class TargetOnly:
         (default: the expert cache's, when offloaded) reads the bytes copied so far: after the prefill it
         gives every result's `prefill_h2d_bytes`."""
         batch = is_batch(input_ids)
-        prompts = check_batch(input_ids, max_new_tokens, self.model.vocab_size, self.model.max_positions) if batch else None
-        input_ids = None if batch else check_prompt(input_ids, max_new_tokens, self.model.vocab_size, self.model.max_positions)
+        limits = (self.model.vocab_size, self.model.max_positions)
+        prompts = check_batch(input_ids, max_new_tokens, *limits) if batch else None
+        input_ids = None if batch else check_prompt(input_ids, max_new_tokens, *limits)
         config = self.offload_config
         offload = nullcontext() if config is None else serving(self.model, config, self.verify_workspace)
         with offload as session:

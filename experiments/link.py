@@ -26,7 +26,8 @@ class RunLink:
         if not self.measured:
             self.measured = True
             sources = self.sources()
-            self.measurement = pinned.measure_link(self.device, sources) if sources else pinned.measure_link(self.device)
+            self.measurement = (pinned.measure_link(self.device, sources, "the run's host store") if sources
+                                else pinned.measure_link(self.device))
             if self.measurement is not None and self.on_measured is not None:
                 self.on_measured(self.measurement)
         return self.measurement

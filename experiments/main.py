@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from experiments import records
 from experiments.experiments import EXPERIMENTS
 from experiments.link import RunLink, pinned_sources
-from experiments.override_keys import check_override_keys
 from experiments.machine import busy_warning, load_note, machine_state
+from experiments.override_keys import check_override_keys
 from experiments.run_dirs import SWEEP_FUNCTIONS, SWEPT_KEYS_VARIABLE, results_dir, swept_keys
 from experiments.settings import check_run_settings, earlier_invocations, invocation, write_run_json
 from experiments.usage import usage

@@ -33,7 +33,8 @@ class TokenCheck:
         if self.gap is None:
             return f"MISMATCH at token {self.position}"
         if self.replay is not None:
-            return f"MISMATCH at token {self.position} (the replay of its verify windows differs at token {self.replay})"
+            return (f"MISMATCH at token {self.position} (the replay of its verify windows differs at token "
+                    f"{self.replay})")
         if self.verdict == TIE and self.gap > self.bound:
             return (f"numeric tie at token {self.position} (gap {self.gap:.3g}, bound {self.bound:.3g}: the target "
                     f"computed the system's way picks its token)")

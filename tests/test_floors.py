@@ -32,7 +32,7 @@ def test_every_system_that_moves_experts_has_bytes_and_no_floor_without_a_gpu(tm
 
 def fake_link(rates: tuple[float, ...], seen: list | None = None):
     """A stand-in for pinned.measure_link: the trials' rates it reports, the sources it was given in `seen`."""
-    def measure(device, sources=()):
+    def measure(device, sources=(), source="fake"):
         if seen is not None:
             seen.append(list(sources))
         return LinkMeasurement(rates, 2**30, "fake")
@@ -58,7 +58,8 @@ def test_the_link_measured_after_the_warm_ups_gives_every_row_its_floor_and_spec
     assert specter.tpot_over_peer_floor == pytest.approx(specter.tpot_median_ms / peers.io_floor_ms.min())
     assert specter.tpot_over_io_floor == pytest.approx(specter.tpot_median_ms / specter.io_floor_ms)
     out = capsys.readouterr().out
-    assert "x floor" in out and f"specter / builtin: TPOT {specter.tpot_over_peer_floor:.2f}x {lowest}'s I/O floor" in out
+    claim = f"specter / builtin: TPOT {specter.tpot_over_peer_floor:.2f}x {lowest}'s I/O floor"
+    assert "x floor" in out and claim in out
     assert "H2D 25.0 GB/s pinned (max of 3 trials of 1.0 GiB; median 24.0, min 20.0)" in out
     monkeypatch.setattr(pinned, "measure_link", fake_link((99.0,)))  # a resumed process measures its own link
     resumed = run(compose_with("systems=[specter,mo_sm,specmoeoff_sm]", *FAST, f"results_root={tmp_path}",
@@ -71,7 +72,8 @@ def test_the_link_measured_after_the_warm_ups_gives_every_row_its_floor_and_spec
 
 
 @pytest.mark.slow
-def test_a_link_slower_than_what_a_system_moved_is_reported_and_no_floor_claim_is_printed(tmp_path, monkeypatch, capsys):
+def test_a_link_slower_than_what_a_system_moved_is_reported_and_no_floor_claim_is_printed(tmp_path, monkeypatch,
+                                                                                         capsys):
     monkeypatch.setattr(pinned, "measure_link", fake_link((1e-9,)))  # far below any decode's bytes per TPOT
     run_tiny(tmp_path, monkeypatch, "systems=[specter,mo_sm]")
     out = capsys.readouterr().out

@@ -36,7 +36,8 @@ def test_each_run_is_one_block_with_its_own_ratios_and_floors(tmp_path, capsys):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in low.splitlines()
             if line.startswith("| ") and "---" not in line and "system" not in line}
     assert rows["specter"] == ["11.00", "1.00", "500.0", "10.00", "1.10", "2/2 equal"]
-    assert rows["mo_sm"][:5] == ["44.00", "4.00", "400.0", "8.00", "5.50"] and rows["mo_sm"][5] == "1/2 equal, 1 differ (not classified)"
+    assert rows["mo_sm"][:5] == ["44.00", "4.00", "400.0", "8.00", "5.50"]
+    assert rows["mo_sm"][5] == "1/2 equal, 1 differ (not classified)"
     assert rows["target_only"][-1] == "(reference)" and rows["target_only"][2] == "-"  # moves nothing: no floor
     assert "- specter: TPOT 1.38x mo_sm's I/O floor (8.00 ms), the lowest among the other systems" in low
     assert "- llama_cpp: unavailable: no CUDA build staged" in low

@@ -36,7 +36,8 @@ def test_the_classifier_tells_ties_from_mismatches(gap, bound, flips, verdict):
 def test_each_verdict_reads_as_one_phrase():
     assert TokenCheck(EQUAL).text() == "equal"
     assert TokenCheck(TIE, 7, 0.0312, 0.0625).text() == "numeric tie at token 7 (gap 0.0312 <= bound 0.0625)"
-    assert TokenCheck(TIE, 7, 0.5, 0.25).text().endswith("bound 0.25: the target computed the system's way picks its token)")
+    flipped = TokenCheck(TIE, 7, 0.5, 0.25).text()
+    assert flipped.endswith("bound 0.25: the target computed the system's way picks its token)")
     assert TokenCheck(MISMATCH, 7, 1.5, 0.0625).text() == "MISMATCH at token 7 (gap 1.5 > bound 0.0625)"
     assert "replay of its verify windows differs at token 9" in TokenCheck(MISMATCH, 7, 1.5, 0.1, 9).text()
 

@@ -91,7 +91,7 @@ def time_trials(copy_ms: Callable[[], float], trials: int = LINK_TRIALS, warmups
     return [copy_ms() for _ in range(trials)]
 
 
-def measure_link(device: str | torch.device, sources: Sequence[torch.Tensor] = (), source: str = "the run's host store",
+def measure_link(device: str | torch.device, sources: Sequence[torch.Tensor] = (), source: str = "host memory",
                  trials: int = LINK_TRIALS, warmups: int = LINK_WARMUPS, trial_bytes: int = LINK_TRIAL_BYTES,
                  copy_ms: Callable[[list[torch.Tensor]], float] | None = None) -> LinkMeasurement | None:
     """The pinned host-to-device bandwidth of `device`: `trials` trials (after `warmups`), each copying at least
