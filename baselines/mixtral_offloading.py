@@ -230,7 +230,7 @@ class MixtralOffloading:
         cache = self._swap_cache()
         cache.reset()
         with attributes_set(self.model.experts, target_executor=SwapExecutor(cache, self.staging - 1)):
-            result = self.loop.generate(input_ids, max_new_tokens, copied_bytes=cache.streams.copied_bytes)
+            result = self.loop.generate(input_ids, max_new_tokens, streams=cache.streams)
         results = result if isinstance(result, list) else [result]
         decode_tokens = sum(r.stats["generated_tokens"] - 1 for r in results)
         stats = self._stats(cache, results[0].stats["prefill_h2d_bytes"], decode_tokens)

@@ -1,7 +1,6 @@
 """Target-only reference: plain autoregressive decoding of the full-precision target, one token per step."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -14,6 +13,7 @@ from specter.metrics import DecodeMetrics, GenerationResult, h2d_split
 from specter.models.hybrid import HybridMoEModel
 from specter.offload.runtime import OffloadConfig, serving
 from specter.speculative.state import StateManager
+from specter.token_time import request_token_time
 
 
 class TargetOnly:
@@ -39,10 +39,10 @@ class TargetOnly:
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32,
-                 copied_bytes: Callable[[], int] | None = None) -> GenerationResult | list[GenerationResult]:
-        """New tokens of a [1, T] prompt; of each request for a batch (a list of prompts). `copied_bytes`
-        (default: the expert cache's, when offloaded) reads the bytes copied so far: after the prefill it
-        gives every result's `prefill_h2d_bytes`."""
+                 streams=None) -> GenerationResult | list[GenerationResult]:
+        """New tokens of a [1, T] prompt; of each request for a batch (a list of prompts). `streams` (an
+        offload.streams.DeviceStreams; default: the expert cache's, when offloaded) moves the experts: its bytes
+        copied after the prefill give every result's `prefill_h2d_bytes`, its stalls the tpot_* columns."""
         batch = is_batch(input_ids)
         limits = (self.model.vocab_size, self.model.max_positions)
         prompts = check_batch(input_ids, max_new_tokens, *limits) if batch else None
@@ -52,41 +52,43 @@ class TargetOnly:
         with offload as session:
             if session is not None:
                 session.reset()
-                copied_bytes = copied_bytes or session.streams.copied_bytes
+                streams = streams or session.streams
             if batch:
-                return self._generate_batch(prompts, max_new_tokens, session, copied_bytes)
-            return self._generate_one(input_ids, max_new_tokens, session, copied_bytes)
+                return self._generate_batch(prompts, max_new_tokens, session, streams)
+            return self._generate_one(input_ids, max_new_tokens, session, streams)
 
-    def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int, session,
-                      copied_bytes: Callable[[], int] | None) -> GenerationResult:
+    def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int, session, streams) -> GenerationResult:
         """One token per step in one forward [1, 1] (at a longrope switch: the whole sequence)."""
         metrics = DecodeMetrics(self.model.device)
         state = StateManager(self.model, input_ids)
         next_token = state.prefill().argmax(dim=-1, keepdim=True)  # [1], stays on the device
-        prefill_bytes = copied_bytes() if copied_bytes else 0
+        prefill_bytes = streams.copied_bytes() if streams is not None else 0
         while True:
             state.commit(next_token.tolist(), kv_keep=len(state.tokens))  # the tokens committed before this one have KV
             metrics.commit(1)
             if len(state.generated) == max_new_tokens:
                 break
             state.window(0)  # at a longrope switch: recompute the whole sequence
+            metrics.begin("target")
             logits = self.model.forward(state.uncached(), state.cache, "target")[0, -1]
             next_token = logits.argmax(dim=-1, keepdim=True)
+            metrics.end("target")
         stats = metrics.summary()
-        if copied_bytes:
+        stats.update(request_token_time(metrics, streams))
+        if streams is not None:
             stats["prefill_h2d_bytes"] = prefill_bytes
         if session is not None:
             stats.update(session.stats())
         return GenerationResult(state.generated, h2d_split(stats, prefill_bytes, stats["generated_tokens"] - 1))
 
     def _generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int, session,
-                        copied_bytes: Callable[[], int] | None) -> list[GenerationResult]:
+                        streams) -> list[GenerationResult]:
         """All requests one token per step in one forward [B, 1]; each expert loaded once per step for all."""
         refuse_rope_switch(self.model, prompts, max_new_tokens)
         state = BatchState(self.model, prompts)
         metrics = [DecodeMetrics(self.model.device) for _ in prompts]
         state.commit_first(state.prefill().argmax(dim=-1).tolist())
-        prefill_bytes = copied_bytes() if copied_bytes else 0
+        prefill_bytes = streams.copied_bytes() if streams is not None else 0
         active = active_requests(state, max_new_tokens, None)
         for m in metrics:
             m.commit(1)
@@ -99,6 +101,6 @@ class TargetOnly:
                     m.commit(1)
             active = active_requests(state, max_new_tokens, None)
         shared = session.stats() if session is not None else {}
-        if copied_bytes:
+        if streams is not None:
             shared["prefill_h2d_bytes"] = prefill_bytes
         return batch_results(generated_tokens(state), metrics, max_new_tokens, None, shared)

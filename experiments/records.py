@@ -10,12 +10,18 @@ from pathlib import Path
 import pandas as pd
 
 from specter.metrics import GenerationResult, io_floor_ms
+from specter.token_time import PARTS
+
+TPOT_PARTS = tuple(f"tpot_{part}_ms" for part in PARTS)  # where each token's time went (specter.token_time)
+PART_HEADINGS = {"tpot_draft_ms": "draft", "tpot_copy_wait_ms": "copies", "tpot_rebuild_ms": "rebuild",
+                 "tpot_target_ms": "target pass", "tpot_host_ms": "host"}
 
 BYTES_STATS = ("decode_h2d_bytes_per_token", "prefill_h2d_bytes")  # the one definition: specter.metrics.h2d_split
 ROW_STATS = ("tpot_ms", "ttft_ms", "e2e_ms", "acceptance_rate", "mean_accepted_length", "iterations",
              "generated_tokens", "hits", "hits_prefetched", "misses", "prefetch_loads", "hit_rate", "h2d_bytes",
              *BYTES_STATS, "h2d_gbps", "wait_ms", "draft_ms", "verify_ms", "working_set_mean",
-             "prefetch_precision", "prefetch_recall", "throughput_tok_s", "io_floor_ms", "link_gbps")
+             "prefetch_precision", "prefetch_recall", "throughput_tok_s", "io_floor_ms", "link_gbps",
+             *TPOT_PARTS)
 KEY = ("system", "dataset", "prompt_id", "repeat", "k", "prefix_tokens", "batch_size")
 FIELDS = (*KEY, "status", *ROW_STATS, "accepted_length_histogram", "tokens_match_target", "token_agreement",
           "token_check", "mechanisms", "invocation")
@@ -181,7 +187,8 @@ def summarize(records: pd.DataFrame, by: tuple[str, ...] = ("system", "dataset")
     metrics = {"tpot_median_ms": "median", "tpot_mean_ms": "mean", "tpot_min_ms": "min", "tpot_max_ms": "max",
                "ttft_ms": "median", "acceptance_rate": "median", "mean_accepted_length": "median",
                "hit_rate": "median", "decode_h2d_bytes_per_token": "median", "prompt_id": "nunique"}
-    for optional in ("throughput_tok_s", "working_set_mean", "token_agreement", "prefill_h2d_bytes", "io_floor_ms"):
+    for optional in ("throughput_tok_s", "working_set_mean", "token_agreement", "prefill_h2d_bytes", "io_floor_ms",
+                     *TPOT_PARTS):
         if ok[optional].notna().any():
             metrics[optional] = "median"
     ok = ok.assign(tpot_median_ms=ok.tpot_ms, tpot_mean_ms=ok.tpot_ms, tpot_min_ms=ok.tpot_ms, tpot_max_ms=ok.tpot_ms)
@@ -308,6 +315,7 @@ def format_table(summary: pd.DataFrame, width: int = 120) -> str:
                      f"rate: that measurement is too low, so the I/O floors and x floor are not trustworthy")
     else:
         lines += peer_floor_lines(ok)
+    lines += time_per_token_lines(ok, keys)
     if "tpot_over_specter" in ok:
         lines.append("TPOT and the other columns: medians over decodes; x Specter: TPOT / Specter's on the same "
                      "cases (>1: Specter faster)")
@@ -315,6 +323,17 @@ def format_table(summary: pd.DataFrame, width: int = 120) -> str:
         lines.append("MB/token: H2D bytes per committed token while decoding"
                      + ("; x floor: TPOT / those bytes at the run's H2D rate" if "tpot_over_io_floor" in ok else ""))
     return "\n".join(lines)
+
+
+def time_per_token_lines(ok: pd.DataFrame, keys: list[str]) -> list[str]:
+    """Where each system's time per token went (medians of the tpot_* columns, CUDA events; specter.token_time)."""
+    parts = [c for c in TPOT_PARTS if c in ok and pd.to_numeric(ok[c], errors="coerce").notna().any()]
+    if not parts:
+        return []
+    table = ok[keys + parts].rename(columns=PART_HEADINGS)
+    return ["time per token, ms (draft on the critical path, waiting for copies, rebuilding residual experts, the rest "
+            "of the target pass, host between passes):",
+            table.to_string(index=False, float_format=lambda x: f"{x:.3f}", na_rep="-")]
 
 
 def peer_floor_lines(summary: pd.DataFrame) -> list[str]:

@@ -18,7 +18,7 @@ from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT
 from specter.draft.ahead import AheadWindow, DraftAhead, Launched
 from specter.draft.graph import DraftGraphCache
-from specter.mechanisms import resolve
+from specter.mechanisms import as_run, resolve
 from specter.offload.runtime import OffloadConfig, serving
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import (
@@ -31,7 +31,7 @@ from specter.prefetch.planner import (
     early_read_layer,
 )
 from specter.speculative.sampling import next_token, seeded_generator
-from specter.speculative.state import StateManager
+from specter.speculative.state import StateManager, window_length
 from specter.text import TextResult, generate_text
 from specter.verify.accept import verify_and_accept
 from specter.window_accounting import WindowAccounting
@@ -217,12 +217,13 @@ class SpecterEngine:
         """After a verify pass: the target's routing against the plan, the working set and the I/O floor."""
         self.accounting.close_window(plan)
 
-    def stats(self, metrics: DecodeMetrics, batched: bool = False) -> dict:
+    def stats(self, metrics: DecodeMetrics, batched: bool = False, graph_status: str | None = None) -> dict:
         """The request's stats (`metrics`: its decode metrics, or a batch's first request's), with `mechanisms`:
-        each mechanism's state in this call ("on" or "off: why")."""
+        each mechanism's state in this call ("on" or "off: why"; `graph_status`: the draft step's capture,
+        default the single request's)."""
         stats = self.accounting.stats(metrics, self.planner.traces, copy_idle=True)
-        stats["draft_graph"] = self.graphs.status(None)
-        mechanisms = dict(self.mechanisms)
+        stats["draft_graph"] = self.graphs.status(None) if graph_status is None else graph_status
+        mechanisms = as_run(self.mechanisms, stats["draft_graph"])
         if batched and mechanisms["draft_ahead"] == "on":
             mechanisms["draft_ahead"] = "off: batched requests (single requests only)"
         stats["mechanisms"] = mechanisms
@@ -266,7 +267,8 @@ class SpecterEngine:
             return None
         self.ahead.begin_request(state.cache, state.prompt_length + max_new_tokens + 2 * self.config.k + 4,
                                  state.kv_length)
-        return self.ahead.launch_from_prompt(state, min(self.config.k, max_new_tokens - 2))  # the first window's k
+        first_k = window_length(min(self.config.k, max_new_tokens - 2), state.prompt_length, state.switch)
+        return self.ahead.launch_from_prompt(state, first_k)
 
     def _static_cache(self, length: int):
         """The engine's static KV cache when the draft step runs as a CUDA graph (else None: dynamic KV)."""

@@ -49,6 +49,21 @@ def resolve(config: SpecterConfig, model) -> Resolved:
     return Resolved(running, states)
 
 
+def as_run(mechanisms: dict[str, str], graph_status: str) -> dict[str, str]:
+    """`mechanisms` as they ran, given the draft step's capture (`DraftGraphCache.status`: "on", "on, compiled",
+    "on, not compiled: why", "failed: why", "off" or "off: why"): the CUDA graph and its compilation stay "on" only where
+    the step was captured (and compiled)."""
+    ran = dict(mechanisms)
+    captured = graph_status.startswith("on")
+    if ran.get("cuda_graph") == "on" and not captured:
+        reason = graph_status.removeprefix("failed: ").removeprefix("off: ")
+        ran["cuda_graph"] = "off: " + (reason if reason != "off" else "no draft step captured")
+    if ran.get("draft_compile") == "on" and graph_status != "on, compiled":
+        ran["draft_compile"] = ("off: " + graph_status.removeprefix("on, ") if captured
+                                else f"off: no CUDA graph to compile into ({ran['cuda_graph'].removeprefix('off: ')})")
+    return ran
+
+
 def off_if(problem: str) -> str:
     return f"off: {problem}" if problem else "on"
 

@@ -104,6 +104,16 @@ class DecodeMetrics:
         at = lambda mark: self.timeline.elapsed_ms(self.start, mark)  # noqa: E731
         return {phase: [(at(a), at(b)) for a, b in spans] for phase, spans in self._phases.items()}
 
+    def decode_span_ms(self) -> tuple[float, float] | None:
+        """(first commit, last commit) in ms since the first mark: the span TPOT divides (None before two)."""
+        if len(self._commits) < 2:
+            return None
+        at = lambda mark: self.timeline.elapsed_ms(self.start, mark)  # noqa: E731
+        return at(self._commits[0][0]), at(self._commits[-1][0])
+
+    def committed_tokens(self) -> int:
+        return sum(n for _, n in self._commits)
+
     def window(self, drafted: int, accepted: int) -> None:
         """One verify pass; a pass with nothing drafted (the last token) counts as an iteration only."""
         self.windows.append((drafted, accepted))

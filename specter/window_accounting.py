@@ -4,6 +4,7 @@ from __future__ import annotations
 from specter.metrics import DecodeMetrics, h2d_split
 from specter.offload.trace_overlap import copy_idle_by_phase
 from specter.prefetch.quality import PrefetchQuality
+from specter.token_time import request_token_time
 
 
 class WindowAccounting:
@@ -56,6 +57,7 @@ class WindowAccounting:
         """The request's stats: `metrics`' summary and, when offloaded, the cache's and this accounting's
         (`traces`: the planner's window traces; copy_idle: where the copy stream idled, by phase)."""
         stats = metrics.summary()
+        stats.update(request_token_time(metrics, None if self.session is None else self.session.streams))
         if self.session is None:
             return stats
         stats.update(self.session.stats())

@@ -6,7 +6,7 @@ import torch
 
 import specter
 from specter.config import PAPER_DESIGN
-from specter.mechanisms import MECHANISMS
+from specter.mechanisms import MECHANISMS, as_run
 from specter.models.registry import get_spec
 from specter.models.loading import build_synthetic
 from tests.conftest import TINY_MODELS, prompt
@@ -26,7 +26,7 @@ def hf_greedy_in(name: str, dtype: torch.dtype, input_ids: torch.Tensor, new: in
 @pytest.mark.usefixtures("draft_ahead_on_cpu")  # every mechanism together, draft-ahead too (in series on a CPU)
 def test_the_default_equals_hf_greedy_at_tight_memory_in_bfloat16(name):
     """bfloat16 experts, so residual transfer runs (on the CPU its decode is the torch reference); 3 slots per
-    layer, 2 of them pooled; draft-ahead wherever the model has one RoPE."""
+    layer, 2 of them pooled; draft-ahead on every model."""
     model = specter.load_model(name, device="cpu", dtype=torch.bfloat16)
     engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=3))
     ids = prompt("Natalia sold clips")
@@ -36,8 +36,7 @@ def test_the_default_equals_hf_greedy_at_tight_memory_in_bfloat16(name):
     assert set(ran) == set(MECHANISMS)
     assert ran["residual_transfer"] == ran["pooled_slots"] == ran["prefetch"] == "on"
     assert out.stats["residual_decodes"] > 0 and engine.config.pooled_slots == 2
-    assert ran["draft_ahead"] == ("off: longrope (the window length depends on the position)" if name == "tiny-phi"
-                                  else "on")
+    assert ran["draft_ahead"] == "on"  # longrope (tiny-phi) too: its regime is picked on the device
     assert ran["cuda_graph"] == "off: no CUDA device" and ran["draft_compile"].startswith("off: no CUDA graph")
 
 
@@ -101,3 +100,30 @@ def test_the_whole_default_equals_the_resident_target_on_a_calibrated_full_width
     assert all(state == "on" for state in out.stats["mechanisms"].values()), out.stats["mechanisms"]
     assert out.stats["residual_decodes"] > 0 and out.stats["draft_ahead_launches"] > 0
     assert out.token_ids == reference
+
+
+@pytest.mark.parametrize("status,graph,compile_", [
+    ("on, compiled", "on", "on"),
+    ("on", "on", "off: "),  # compile not asked of the capture: says so below
+    ("on, not compiled: BackendCompilerFailed: x", "on", "off: not compiled: BackendCompilerFailed: x"),
+    ("failed: RuntimeError: capture", "off: RuntimeError: capture", "off: no CUDA graph to compile into (Runtime"),
+    ("off", "off: no draft step captured", "off: no CUDA graph to compile into (no draft step"),
+    ("off: eager (no static batch cache)", "off: eager (no static batch cache)", "off: no CUDA graph to compile")])
+def test_a_mechanism_is_listed_as_run_only_where_the_draft_step_was_captured(status, graph, compile_):
+    from experiments.records import mechanisms_ran
+    asked = {"cuda_graph": "on", "draft_compile": "on", "draft_ahead": "on"}
+    ran = as_run(asked, status)
+    assert ran["cuda_graph"] == graph and ran["draft_compile"].startswith(compile_) and ran["draft_ahead"] == "on"
+    listed = mechanisms_ran(ran).split()
+    assert ("cuda_graph" in listed) == (graph == "on") and ("draft_compile" in listed) == (compile_ == "on")
+
+
+def test_an_engine_whose_graph_was_asked_but_not_captured_does_not_list_it(monkeypatch):
+    """As if CUDA graphs could run here: the CPU captures nothing, so the stats must not list them as run."""
+    import specter.mechanisms
+    monkeypatch.setattr(specter.mechanisms, "graph_state", lambda config, device: "on")
+    engine = specter.SpecterEngine(specter.load_model("tiny-phi", device="cpu"), specter.SpecterConfig(k=3))
+    assert engine.mechanisms["cuda_graph"] == engine.mechanisms["draft_compile"] == "on"  # asked and resolved
+    ran = engine.generate(prompt(), 8).stats["mechanisms"]
+    assert ran["cuda_graph"] == "off: no draft step captured"
+    assert ran["draft_compile"].startswith("off: no CUDA graph to compile into")

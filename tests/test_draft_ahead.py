@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("draft_ahead_on_cpu")  # its logic on the C
 
 
 @pytest.mark.parametrize("slots", [None, 2])
-@pytest.mark.parametrize("tiny_name", [name for name in TINY_MODELS if name != "tiny-phi"])  # phi: longrope
+@pytest.mark.parametrize("tiny_name", TINY_MODELS)
 def test_draft_ahead_is_lossless_and_used(tiny_name, slots):
     model = specter.load_model(tiny_name, device="cpu", dtype=torch.float32) if slots else tiny_model(tiny_name)
     config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True)
@@ -85,8 +85,7 @@ def test_side_steps_without_a_stream_run_every_step_at_once():
 
 
 @pytest.mark.parametrize("name,config,reason", [
-    ("tiny", dict(temperature=0.7), "off: sampling"), ("tiny-phi", {}, "off: longrope"),
-    ("tiny", dict(draft_ahead=False), "off: not asked")])
+    ("tiny", dict(temperature=0.7), "off: sampling"), ("tiny", dict(draft_ahead=False), "off: not asked")])
 def test_draft_ahead_is_off_where_it_cannot_apply(name, config, reason):
     settings = {"k": 3, "draft_ahead": True, **config}
     out = specter.SpecterEngine(tiny_model(name), specter.SpecterConfig(**settings)).generate(prompt(), 8)

@@ -35,11 +35,13 @@ def test_checkpoint_of_an_offloaded_model_decodes_like_hf(tmp_path, name):
 
 
 def test_export_after_a_decode_of_a_longrope_model(tmp_path):
-    """After a forward, longrope's inv_freq and original_inv_freq are one tensor: both names still export."""
+    """After a forward of HF's own longrope rotary, inv_freq and original_inv_freq are one tensor: both names
+    still export."""
     model = specter.load_model("tiny-phi", device="cpu", dtype=torch.float32, seed=3)
     assert model.hf.config.rope_parameters["rope_type"] == "longrope"
     tokens = specter.SpecterEngine(model, specter.SpecterConfig(k=4)).generate(prompt(), 8).token_ids
     rotary = model.hf.model.rotary_emb
+    type(rotary).forward(rotary, torch.zeros(1, 1), position_ids=torch.arange(4)[None])  # HF's forward, not ours
     assert rotary.inv_freq is rotary.original_inv_freq  # the state that broke the export
     save_checkpoint(model, tmp_path)
     again = specter.load_model(tmp_path, device="cpu", dtype=torch.float32)  # byte ids recorded by the export

@@ -187,12 +187,37 @@ def test_draft_ahead_from_the_prompt_on_its_side_stream_stays_lossless(compiled)
     assert second.stats["draft_ahead_prompt_windows"] == 1
 
 
-def test_a_longrope_model_drafts_eagerly_and_leaves_the_cuda_generator_usable():
-    """Phi's longrope syncs in every step, so its draft step is not captured; a failed capture used to
-    leave the CUDA generator unusable for the rest of the process."""
+@pytest.mark.parametrize("prompt_length", [20, 250])  # tiny-phi switches at 256: the longer prompt crosses it
+def test_the_default_on_a_longrope_model_captures_compiles_drafts_ahead_and_equals_the_target(prompt_length):
+    """Phi's longrope picks its regime on the device, so the default captures, compiles and drafts ahead
+    there too, and its tokens are the resident target's, across the switch as well."""
+    model = specter.load_model("tiny-phi", device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[256, *(b"Natalia sold clips. " * 13)[:prompt_length - 1]]], device="cuda")
+    reference = TargetOnly(model).generate(ids, 40).token_ids  # before the experts move to the host
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=4))
+    out = engine.generate(ids, 40)
+    assert all(state == "on" for state in out.stats["mechanisms"].values()), out.stats["mechanisms"]
+    assert out.stats["draft_graph"] == "on, compiled" and out.stats["draft_ahead_launches"] > 0
+    assert_target_tokens(model, ids, out, reference, engine.config.k, ("tiny-phi", prompt_length), slots=4)
+
+
+def test_a_refused_capture_is_not_listed_as_run_and_leaves_the_cuda_generator_usable(monkeypatch):
+    """A capture that fails falls back to the eager draft, says why, and records.csv does not list the CUDA
+    graph or its compilation as run; the CUDA generator stays usable."""
+    import specter.draft.graph
+    from experiments.records import mechanisms_ran
+
+    def refuse(*args, **kwargs):
+        torch.cuda.synchronize()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(specter.draft.graph, "DraftStepGraph", refuse)
     model = specter.load_model("tiny-phi", device="cuda")
-    out = specter.SpecterEngine(model, specter.SpecterConfig(k=4)).generate(prompt(), 8)
-    assert out.stats["draft_graph"].startswith("failed: longrope")
+    out = specter.SpecterEngine(model, specter.SpecterConfig(k=4)).generate(prompt().cuda(), 8)
+    assert out.stats["draft_graph"].startswith("failed: RuntimeError")
+    assert out.stats["mechanisms"]["cuda_graph"].startswith("off: RuntimeError")
+    assert out.stats["mechanisms"]["draft_compile"].startswith("off: no CUDA graph to compile into")
+    assert "cuda_graph" not in mechanisms_ran(out.stats["mechanisms"]).split()
     assert torch.randn(4, device="cuda").isfinite().all()  # the generator still works
 
 
@@ -216,3 +241,18 @@ def test_the_link_measurement_agrees_with_a_plain_large_copy():
     assert len(link.trials_gbps) == 10 and link.bytes_per_trial >= 2**30
     assert abs(link.max_gbps - plain) <= 0.10 * plain, (link.as_dict(), plain)
     print(f"link {link.max_gbps} GB/s (median {link.median_gbps}, min {link.min_gbps}); plain 1 GiB copy {plain:.2f}")
+
+
+@pytest.mark.parametrize("system", ["specter", "mo_sm"])
+def test_the_time_per_token_parts_sum_to_the_tpot_on_cuda(system):
+    """The tpot_* parts (CUDA events on the compute stream) partition the decode span: they sum to TPOT."""
+    from baselines.mixtral_offloading import MixtralOffloading
+    from experiments.records import TPOT_PARTS
+    model = specter.load_model("tiny-dsv2", device="cuda")
+    engine = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=2)) \
+        if system == "specter" else MixtralOffloading(model, 2)
+    engine.generate(prompt().cuda(), 8)  # warm-up
+    stats = engine.generate(prompt().cuda(), 32).stats
+    assert all(stats[c] >= 0 for c in TPOT_PARTS), stats
+    assert sum(stats[c] for c in TPOT_PARTS) == pytest.approx(stats["tpot_ms"], rel=1e-3)
+    assert stats["tpot_copy_wait_ms"] + stats["tpot_rebuild_ms"] > 0  # 2 of 64 experts per layer: it waits

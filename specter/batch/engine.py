@@ -120,7 +120,7 @@ def _results(engine, state: BatchState, metrics: list, max_new_tokens: int, eos:
     """Per request: its tokens and metrics, plus the shared cache's stats."""
     eager = "off: eager (no static batch cache)"
     status = engine.graphs.status(state.batch_size) if state.static is not None else eager
-    shared = {**engine.stats(metrics[0], batched=True), "draft_graph": status}
+    shared = engine.stats(metrics[0], batched=True, graph_status=status)
     return batch_results(generated_tokens(state), metrics, max_new_tokens, eos, shared)
 
 

@@ -30,7 +30,7 @@ from specter.models.hybrid_experts import DRAFT
 from specter.draft.graph import DraftGraphCache, draft_chain
 from specter.offload.host_reads import HostRead, read_when_reached, recorded_event
 from specter.draft.side_steps import SideSteps
-from specter.speculative.state import copy_rows, crop_cache, rope_switch
+from specter.speculative.state import copy_rows, crop_cache, window_length
 
 
 @dataclass
@@ -58,11 +58,12 @@ class Launched:
 
 
 def draft_ahead_problem(config, model) -> str:
-    """Why draft-ahead cannot run for this engine ("" when it can; it needs greedy decoding and one RoPE)."""
+    """Why draft-ahead cannot run for this engine ("" when it can; it needs greedy decoding and a rotary that
+    does not sync the host in every step)."""
     if not config.greedy:
         return "sampling (draft-ahead is greedy only)"
-    if rope_switch(model.hf.config) is not None:
-        return "longrope (the window length depends on the position)"
+    if model.rope_on_host:
+        return f"the rotary picks its regime on the host in every step ({model.rope_on_host})"
     return ""
 
 
@@ -88,15 +89,17 @@ class DraftAhead:
         dynamic one."""
         self.cache = self.graphs.side_cache(request_cache, length, kv_length)  # rows copied in at each launch
 
-    def window_k(self, remaining: int) -> Callable[[int], int]:
-        """committed -> the next window's length once `committed` of the `remaining` tokens are committed."""
-        return lambda committed: min(self.k_max, remaining - committed - 1)
+    def window_k(self, remaining: int, kv_length: int, switch: int | None) -> Callable[[int], int]:
+        """committed -> the next window's length once `committed` of the `remaining` tokens are committed after
+        `kv_length` cached positions (the engine's rule: `window_length`, a longrope `switch` included)."""
+        return lambda committed: window_length(min(self.k_max, remaining - committed - 1),
+                                               kv_length + committed - 1, switch)
 
     def launch(self, state, drafts: torch.Tensor, window: AheadWindow | None, remaining: int) -> Launched | None:
         """Start drafting the window after `drafts` [k] of `state` (a StateManager) on the side stream;
         `window`: the drafts made ahead that this window took (None: drafted now); `remaining`: tokens the
         request still needs. The request's cache may be written once this returns."""
-        window_k = self.window_k(remaining)
+        window_k = self.window_k(remaining, state.kv_length + state.uncached_length, state.switch)
         k, next_k = drafts.numel(), window_k(drafts.numel() + 1)
         if next_k < 1 or k == 0:
             return None

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from specter.models.hybrid_experts import DRAFT
-from specter.speculative.state import new_static_cache, rope_switch
+from specter.speculative.state import new_static_cache
 
 WARMUP_STEPS = 2
 
@@ -117,8 +117,8 @@ def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | N
     the step is compiled first; if that fails, the plain step is captured and the status says why."""
     if model.device.type != "cuda":
         return None, "no CUDA device"
-    if rope_switch(model.hf.config) is not None:  # a failed capture would leave the CUDA generator unusable
-        return None, "longrope picks its factors on the host from the positions (a sync in every step)"
+    if model.rope_on_host:  # a failed capture would leave the CUDA generator unusable
+        return None, f"the rotary picks its regime on the host in every step ({model.rope_on_host})"
     compile_problem = ""
     if compiled:
         try:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specter.models.device_rope import install_device_longrope
 from specter.models.hybrid_experts import DRAFT, TARGET, HybridExperts, is_hf_experts
 from specter.models.registry import ModelSpec
 
@@ -29,6 +30,11 @@ class HybridMoEModel:
     quantizer: str = "rtn"
     host_store: Any = None  # the HostExpertStore once the FP experts live in host memory
     offload: Any = None  # the OffloadRuntime (cache + residency manager) serving them
+    rope_on_host: str = ""  # why the rotary still picks its regime on the host ("": on the device, or no longrope)
+
+    def __post_init__(self) -> None:
+        """A longrope rotary picks its regime on the device (specter.models.device_rope), or says why not."""
+        self.rope_on_host = install_device_longrope(self.hf)
 
     @contextmanager
     def observe_draft_routing(self, observer) -> Iterator[None]:

@@ -25,12 +25,13 @@ class CopyLog:
 
     def __init__(self) -> None:
         self.copies: list[CopyRecord] = []
-        self.stalls: list[tuple] = []  # (start, end) around the compute stream's waits for copies
+        self.stalls: list[tuple] = []  # (start, end, awaited ready events) around the compute stream's waits
         self.decodes: list[tuple] = []  # (start, end) of each residual decode launch
+        self.rebuilds: list[tuple] = []  # (start, end) of the decodes that run on the compute stream itself
         self.bandwidth = BandwidthMeter()  # recent bytes per ms of the finished copies
 
     def reset(self) -> None:
-        self.copies, self.stalls, self.decodes = [], [], []
+        self.copies, self.stalls, self.decodes, self.rebuilds = [], [], [], []
         self.bandwidth.restart()
 
     def stats(self, nbytes: int) -> dict:
@@ -43,7 +44,7 @@ class CopyLog:
             "h2d_copy_calls": sum(c.calls for c in self.copies),  # fewer where adjacent blobs cross as one
             "h2d_busy_ms": copy_ms,
             "h2d_gbps": nbytes / copy_ms / 1e6 if copy_ms > 0 else float("nan"),
-            "wait_ms": sum(elapsed_ms(a, b) for a, b in self.stalls),
+            "wait_ms": sum(elapsed_ms(a, b) for a, b, _ in self.stalls),
             "residual_decodes": len(self.decodes),
             "residual_decode_ms": sum(elapsed_ms(a, b) for a, b in self.decodes),
         }
@@ -54,6 +55,21 @@ class CopyLog:
     def spans_ms(self, at) -> list[tuple[float, float, float | None]]:
         """(start, end, slot free) of every copy, each event placed by `at` (None for no event)."""
         return [(at(c.start), at(c.end), at(c.after)) for c in self.copies]
+
+    def critical_path_ms(self, at) -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
+        """What held the compute stream, each event placed by `at` (ms; every event must have completed):
+        per stall (start, waiting for copies, waiting for rebuilds), and (start, end) of each rebuild on the
+        compute stream. A stall waits for its last awaited event: from the moment that event's decode began
+        (a rebuild on the decode stream) to the stall's end the stall is the rebuild's, before it the copy's;
+        a stall whose last event is a plain copy is all the copy's."""
+        began = {id(end): start for start, end in self.decodes}  # a decode's ready event -> its start
+        stalls = []
+        for start, end, awaited in self.stalls:
+            a, b = at(start), at(end)
+            last = max(awaited, key=at) if awaited else None
+            rebuild = 0.0 if id(last) not in began else min(max(b - at(began[id(last)]), 0.0), b - a)
+            stalls.append((a, b - a - rebuild, rebuild))
+        return stalls, [(at(a), at(b)) for a, b in self.rebuilds]
 
     def measured_bandwidth(self, finished) -> float | None:
         """Bytes per ms over the last copies that have `finished` (non-blocking), or None if none has."""

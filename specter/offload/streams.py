@@ -93,7 +93,7 @@ class DeviceStreams:
         dst.copy_(src, non_blocking=True)
         end.record(stream)
         self.log.copies.append(CopyRecord(start, end, nbytes))
-        self.log.stalls.append((start, end))
+        self.log.stalls.append((start, end, (end,)))
 
     def _issue_copy(self, dst: torch.Tensor, src: torch.Tensor, stream, start, end) -> None:
         self._issue_copies([(dst, src)], stream, start, end)
@@ -166,14 +166,15 @@ class DeviceStreams:
         if not self.cuda:
             start = time.perf_counter()
             work()
-            self.log.decodes.append((start, time.perf_counter()))
-            return
-        stream = self.compute_stream()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        work()
-        end.record(stream)
-        self.log.decodes.append((start, end))
+            span = (start, time.perf_counter())
+        else:
+            stream = self.compute_stream()
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            span[0].record(stream)
+            work()
+            span[1].record(stream)
+        self.log.decodes.append(span)
+        self.log.rebuilds.append(span)
 
     def _decode_now(self, decode, staged: torch.Tensor, dst: torch.Tensor, waits: tuple):
         """One load's decode on the decode stream after `waits`; its ready event."""
@@ -286,7 +287,7 @@ class DeviceStreams:
         span = (start, time.perf_counter())
         self.log.copies.append(CopyRecord(*span, nbytes))
         if demand:
-            self.log.stalls.append(span)
+            self.log.stalls.append((*span, ()))
         return span
 
     def wait(self, ready) -> None:
@@ -308,7 +309,7 @@ class DeviceStreams:
         before = self.record()
         for event in pending:
             self.waits.wait(stream, event)
-        self.log.stalls.append((before, self.record()))
+        self.log.stalls.append((before, self.record(), tuple(pending)))
 
     def _passed(self, stream, event) -> bool:
         """Has `event` completed (then `stream` is marked past it)?"""
@@ -381,6 +382,12 @@ class DeviceStreams:
         waits); slot free: when the event the copy waited for (its row's last use) passed, None if none."""
         self.synchronize()
         return self.log.spans_ms(lambda event: None if event is None else timeline.offset_ms(event, wait=False))
+
+    def critical_path_ms(self, timeline) -> tuple[list[tuple[float, float, float]], list[tuple[float, float]]]:
+        """The compute stream's stalls split into waiting for copies and for rebuilds, and its own rebuilds, in
+        ms on `timeline` (CopyLog.critical_path_ms; after decoding: it waits)."""
+        self.synchronize()
+        return self.log.critical_path_ms(lambda event: timeline.offset_ms(event, wait=False))
 
     def measured_bandwidth(self) -> float | None:
         """Bytes per ms over the last copies that have finished (non-blocking), or None if none has."""

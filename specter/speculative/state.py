@@ -7,6 +7,8 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache, StaticCache
 
+from specter.models.device_rope import rope_switch
+
 
 def crop_cache(cache, keep: int) -> None:
     """Drop KV entries past `keep`.
@@ -44,16 +46,15 @@ def copy_rows(dst, src, rows: int, length: int) -> None:
         dst_layer.values = torch.cat([values, dst_layer.values[:, :, rows:length]], dim=-2) if keep else values.clone()
 
 
-def rope_switch(config) -> int | None:
-    """The first position a longrope model (Phi-3.5-MoE) computes with its long factors, else None.
-
-    HF's longrope picks the long factors for a forward reaching position `original_max_position_embeddings`,
-    and its generate() drops the KV cache there and recomputes the whole sequence with them.
-    """
-    params = getattr(config, "rope_parameters", None) or {}
-    if params.get("rope_type") == "longrope" and params.get("original_max_position_embeddings"):
-        return int(params["original_max_position_embeddings"])
-    return None
+def window_length(k: int, kv_length: int, switch: int | None) -> int:
+    """How many tokens a window starting at `kv_length` cached positions may draft: k, or fewer so that no
+    forward spans a longrope model's `switch` (HF computes positions before it with the short regime); 0 at
+    the switch itself (the next forward recomputes the whole sequence, see StateManager.window)."""
+    if switch is None or kv_length > switch:
+        return k
+    if kv_length == switch:
+        return 0
+    return min(k, switch - 1 - kv_length)
 
 
 def new_static_cache(model, max_length: int) -> StaticCache:
@@ -93,16 +94,13 @@ class StateManager:
         return self._device_tokens.shape[1] - self.kv_length
 
     def window(self, k: int) -> int:
-        """How many tokens the next window may draft: k, or fewer so that no forward spans a longrope
-        model's switch position (HF computes positions before it with the short factors). At the switch
-        the cache is dropped and 0 returned: the next forward recomputes the whole sequence, as HF does."""
-        if self.switch is None or self.kv_length > self.switch:
-            return k
-        if self.kv_length == self.switch:
+        """How many tokens the next window may draft (`window_length`). At a longrope model's switch the cache
+        is dropped and 0 returned: the next forward recomputes the whole sequence, as HF does."""
+        if self.switch is not None and self.kv_length == self.switch:
             crop_cache(self.cache, 0)
             self.kv_length = 0
             return 0
-        return min(k, self.switch - 1 - self.kv_length)
+        return window_length(k, self.kv_length, self.switch)
 
     def prefill(self) -> torch.Tensor:
         """Target forward over the prompt; returns the last position's logits [V]."""
