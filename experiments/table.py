@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.medians import system_medians
-from experiments.records import rate_over_link, read_records
+from experiments.records import beats_link, rate_over_link, read_records
 from experiments.result_runs import run_config
 from experiments.summarize import results_dirs
 
@@ -72,7 +72,7 @@ def link_lines(records: pd.DataFrame) -> list[str]:
     ok = ok.assign(**{c: pd.to_numeric(ok[c], errors="coerce")
                       for c in ("link_gbps", "h2d_gbps", "decode_h2d_bytes_per_token", "tpot_ms")})
     over = rate_over_link(ok)
-    if not (over > 1).any():
+    if not beats_link(over).any():
         return []
     worst = ok.loc[over.idxmax()]
     return [f"warning: {worst.system} moved data {over.max():.2f}x faster than the measured link rate: the floors "

@@ -62,3 +62,12 @@ def test_records_and_the_console_carry_the_parts():
     import pandas as pd
     text = format_table(summarize(pd.DataFrame([row])))
     assert "time per token, ms" in text and "copies" in text and "5.000" in text
+
+
+def test_a_copy_rate_within_the_links_timing_noise_is_not_a_warning():
+    """A paper-design row whose copies read 0.1% above the link's best trial (an H100 run) is noise; 3% is not."""
+    import pandas as pd
+    from experiments.records import beats_link, rate_over_link
+    rows = pd.DataFrame({"h2d_gbps": [55.261, 56.9], "decode_h2d_bytes_per_token": [1.8e9, 1.8e9],
+                         "tpot_ms": [34.8, 34.8], "link_gbps": [55.2, 55.2]})
+    assert beats_link(rate_over_link(rows)).tolist() == [False, True]
