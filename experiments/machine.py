@@ -63,3 +63,12 @@ def load_note(state: dict, link: dict | None = None) -> str:
         return note
     return note + (f", H2D {link['max_gbps']} GB/s pinned (max of {len(link['trials_gbps'])} trials of "
                    f"{link['bytes_per_trial'] / 2**30:.1f} GiB; median {link['median_gbps']}, min {link['min_gbps']})")
+
+
+def peak_memory() -> dict:
+    """This process's peak memory so far, in GB: `host` its resident set (pinned host memory included), `gpu` the
+    most torch held allocated on the current GPU (None without one)."""
+    import resource  # Unix only; the harness runs on Linux
+    host_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    gpu = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+    return {"host_gb": round(host_kb * 1024 / 1e9, 2), "gpu_gb": None if gpu is None else round(gpu, 2)}

@@ -21,10 +21,10 @@ from omegaconf import OmegaConf
 from experiments import records
 from experiments.experiments import EXPERIMENTS
 from experiments.link import RunLink, pinned_sources
-from experiments.machine import busy_warning, load_note, machine_state
+from experiments.machine import busy_warning, load_note, machine_state, peak_memory
 from experiments.override_keys import check_override_keys
 from experiments.run_dirs import SWEEP_FUNCTIONS, SWEPT_KEYS_VARIABLE, results_dir, swept_keys
-from experiments.settings import check_run_settings, earlier_invocations, invocation, write_run_json
+from experiments.settings import check_run_settings, earlier_invocations, expert_placement, invocation, write_run_json
 from experiments.usage import usage
 from specter.errors import SpecterError
 from specter.models.loading import checkpoint_architecture
@@ -127,6 +127,7 @@ def run(cfg: DictConfig) -> Path:
     if resumed and cfg.resume is True and run_complete(out_dir):
         return nothing_to_do(cfg, out_dir)
     machine = machine_state(cfg.device)  # measured once: the header, the warning and run.json show it
+    experts = expert_placement(cfg)  # before anything loads: the choice load_model makes
     opened: list[records.RecordWriter] = []
     calls: list[dict] = []  # run.json's invocations: the earlier ones (on resume) and this process
     links: list[RunLink] = []  # this process's link, measured after the warm-ups
@@ -135,7 +136,8 @@ def run(cfg: DictConfig) -> Path:
         link = links[0].as_dict() if links else None
         if calls:
             calls[-1]["h2d"] = link
-        write_run_json(out_dir, cfg, complete=complete, invocations=calls, machine=machine, h2d=link)
+            calls[-1]["peak_memory"] = peak_memory()
+        write_run_json(out_dir, cfg, complete=complete, invocations=calls, machine=machine, h2d=link, experts=experts)
 
     def open_writer(model=None) -> records.RecordWriter:
         """Create the results directory only once the inputs are valid and the model is loaded; the writer's

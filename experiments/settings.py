@@ -18,7 +18,18 @@ from experiments.machine import machine_state
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.models.calibrated import routing_profile
-from specter.models.loading import WEIGHTS, check_architecture, checkpoint_dir, hf_config, load_model, with_layers
+from specter.models.loading import (
+    WEIGHTS,
+    check_architecture,
+    checkpoint_dir,
+    checkpoint_placement,
+    default_device,
+    default_dtype,
+    hf_config,
+    load_model,
+    with_layers,
+)
+from specter.models.memory_check import check_host_memory, experts_placement
 from specter.models.registry import ModelSpec, get_spec
 from specter.offload.budget import plan_memory
 
@@ -219,13 +230,14 @@ def whole_number(value, name: str, least: int | None, alternatives: str = "") ->
 
 
 def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] | None = None,
-                   machine: dict | None = None, h2d: dict | None = None) -> None:
+                   machine: dict | None = None, h2d: dict | None = None, experts: dict | None = None) -> None:
     """run.json: resolved config, the checkpoint directory read (absolute; null for seeded weights), git
     commit, device, package versions, whether the run finished and, where given, `invocations`: one entry per
     process that wrote rows (see `invocation`). The top-level commit, GPU and machine are the latest one's
     (`machine`: the state this process measured once at its start; measured now where not given), and `h2d`,
     this process's pinned host-to-device link measurement (every trial, max, median, min; null without a GPU or
-    before it is measured), whose maximum `h2d_gbps` is the rate of its rows' io_floor_ms."""
+    before it is measured), whose maximum `h2d_gbps` is the rate of its rows' io_floor_ms; `experts`: where the
+    FP experts were built (`expert_placement`)."""
     checkpoint = checkpoint_path(cfg)
     info = {
         "complete": complete,
@@ -238,6 +250,7 @@ def write_run_json(out_dir: Path, cfg, complete: bool, invocations: list[dict] |
         "machine": machine if machine is not None else machine_state(cfg.device),
         "h2d_gbps": None if h2d is None else h2d["max_gbps"],
         "h2d": h2d,
+        "experts": experts,
         "versions": {name: _version(name) for name in ("specter-moe", "torch", "transformers", "triton",
                                                        "hydra-core", "datasets")},
     }
@@ -288,10 +301,27 @@ def _version(name: str) -> str | None:
         return None
 
 
+def expert_placement(cfg) -> dict:
+    """Where the run's FP experts are built or loaded (run.json `experts`): {"on": "host" | "device", "why"}, the
+    choice load_model makes by default (`memory_check.experts_placement`), decided before anything loads."""
+    choice = model_choice(cfg)
+    device = torch.device(choice.device) if choice.device is not None else default_device()
+    if choice.synthetic:
+        spec = with_layers(choice.spec, choice.layers)
+        on_host, why = experts_placement(spec, hf_config(spec), device, choice.dtype or default_dtype(device))
+    else:
+        on_host, why = checkpoint_placement(checkpoint_path(cfg), device, choice.dtype)
+    return {"on": "host" if on_host else "device", "why": why}
+
+
 def load(cfg):
-    """(model, SpecterConfig) of the run."""
+    """(model, SpecterConfig) of the run; first, whether what it keeps in host memory fits (`check_host_memory`)."""
     choice = model_choice(cfg)
     config = specter_config(cfg, choice.spec)
+    if choice.synthetic and config.resident_experts_per_layer is not None:
+        spec = with_layers(choice.spec, choice.layers)
+        device = torch.device(choice.device) if choice.device is not None else default_device()
+        check_host_memory(spec, hf_config(spec), choice.dtype or default_dtype(device), config.residual_transfer)
     model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=config.seed,
                        draft=choice.draft, weights=choice.weights if choice.synthetic else None,
                        num_layers=choice.layers, tokenizer=choice.tokenizer)

@@ -13,7 +13,7 @@ from specter.errors import SpecterError
 from specter.models.calibrated import calibrate, moe_layer_count, routing_profile, special_ids
 from specter.models.host_experts import build_synthetic_on_host, hybridize_to_host
 from specter.models.hybrid import HybridMoEModel, hybridize
-from specter.models.memory_check import check_build_memory
+from specter.models.memory_check import check_build_memory, experts_placement
 from specter.models.registry import ARCHITECTURES, REGISTRY, ModelSpec, get_spec, spec_for_model_type
 from specter.models.tokenizer import ByteTokenizer
 from specter.quant.draft_io import load_draft
@@ -186,6 +186,14 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None,
     return model.eval(), words, spec
 
 
+def checkpoint_placement(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[bool, str]:
+    """`experts_placement` of a checkpoint directory, from its config (None dtype: what loading would pick)."""
+    base = checkpoint_architecture(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    spec = dataclasses.replace(base, name=path.name, hf_config=config.to_dict())
+    return experts_placement(spec, config, device, dtype or default_dtype(device, stored_dtype(config)))
+
+
 def check_model_source(name_or_path: str | os.PathLike) -> None:
     """Raise the one-line error load_model would give for an unknown name or a bad checkpoint path, cheaply."""
     name = str(name_or_path)
@@ -203,7 +211,7 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
-    experts_on_host: bool = False,
+    experts_on_host: bool | None = None,
     draft: str | os.PathLike | None = None,
     weights: str | None = None,
     num_layers: int | None = None,
@@ -220,8 +228,9 @@ def load_model(
     num_layers: build a registered architecture with this many decoder layers (synthetic and calibrated
       weights only), e.g. a full-width 4-layer dsv2 that fits a CPU.
     experts_on_host: put the FP routed experts straight into the (pinned) host store, so the device
-      never holds them all (required when they do not fit, e.g. Phi-3.5-MoE on a 40 GB card); the
-      engine then serves them through its expert cache. A checkpoint is read on the CPU first.
+      never holds them all; the engine then serves them through its expert cache. A checkpoint is read on the
+      CPU first. None (the default): only where the whole build does not fit the GPU's free memory
+      (`memory_check.experts_placement`: e.g. Phi-3.5-MoE and Mixtral on an 80 GB card).
     draft: a directory written by initialization/quantize_draft.py (GPTQ INT4 draft, checksummed);
       without it the draft is round-to-nearest INT4, quantized at load time.
     dtype: None = float32 on the CPU; on CUDA the checkpoint's stored dtype (bfloat16 for the four real
@@ -261,6 +270,8 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
             words, dtype = ByteTokenizer(spec.hf_config["vocab_size"]), dtype or default_dtype(device)
             if calibrated:
                 routing_profile(spec)  # fail before building
+            if experts_on_host is None:
+                experts_on_host = experts_placement(spec, hf_config(spec), device, dtype)[0]
             check_build_memory(spec, hf_config(spec), device, dtype, experts_on_host)
             if experts_on_host:
                 return build_synthetic_on_host(spec, hf_config(spec), words, device, dtype, seed, calibrated)
@@ -277,6 +288,8 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
         path = Path(name)
         if not path.exists() and os.sep not in name and "/" not in name:
             get_spec(name)  # neither a known name nor a path: raises "unknown model"
+    if experts_on_host is None:
+        experts_on_host = checkpoint_placement(path, device, dtype)[0]
     if experts_on_host:
         model, words, spec = load_checkpoint(path, torch.device("cpu"), dtype, tokenizer, runs_on=device)
         return hybridize_to_host(model, spec, words, device)

@@ -39,6 +39,56 @@ def build_need(spec: ModelSpec, config: transformers.PretrainedConfig, device: t
     return BuildNeed(host=0, gpu=int(MARGIN * (experts + rest)), per_layer=per_layer)
 
 
+def experts_placement(spec: ModelSpec, config: transformers.PretrainedConfig, device: torch.device,
+                      dtype: torch.dtype, gpu_free: int | None = None) -> tuple[bool, str]:
+    """(experts_on_host, why): on a CUDA device whose free memory cannot hold the whole build, the FP experts
+    are built (or loaded) straight into pinned host memory and never materialised on the GPU."""
+    if torch.device(device).type != "cuda":
+        return False, f"the model runs on the {torch.device(device).type}: one memory for everything"
+    need = build_need(spec, config, device, dtype, experts_on_host=False).gpu
+    free = available_gpu_bytes(device) if gpu_free is None else gpu_free
+    if free is None or need <= free:
+        return False, "the whole build fits on the GPU" + ("" if free is None else
+                                                           f" ({need / GB:.1f} of {free / GB:.1f} GB free)")
+    return True, (f"the whole build needs {need / GB:.1f} GB of GPU memory and {free / GB:.1f} GB is free: the experts "
+                  f"go straight into pinned host memory")
+
+
+# A residual blob's bytes over its raw expert's: bf16 measured 0.54-0.69 (results/reference/residual-bits), with room.
+RESIDUAL_BLOB_FRACTION = 0.75
+
+
+def host_need(spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype,
+              residual: bool) -> dict[str, int]:
+    """Bytes an offloaded run keeps in host memory, by part: the FP experts, their residual blobs (`residual`:
+    residual transfer on), and the staging, temporaries and process around them (MARGIN)."""
+    plan = plan_memory(spec, config, dtype, kv_tokens=0, workspace_gb=0.0)
+    experts = plan.expert_bytes * plan.num_moe_layers * plan.num_experts
+    need = {"FP experts": experts}
+    if residual:
+        need["residual blobs"] = int(RESIDUAL_BLOB_FRACTION * experts)
+    need["staging, temporaries and the process"] = int((MARGIN - 1) * sum(need.values()))
+    return need
+
+
+def check_host_memory(spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype, residual: bool,
+                      host_free: int | None = None) -> None:
+    """One-line SpecterError, before anything loads, when what an offloaded run keeps on the host does not fit the
+    host's available memory: what is needed, by part, and what is free."""
+    if os.environ.get(SKIP_ENV) == "1":
+        return
+    parts = host_need(spec, config, dtype, residual)
+    free = available_host_bytes() if host_free is None else host_free
+    if free is None or sum(parts.values()) <= free:
+        return
+    listed = ", ".join(f"{name} {size / GB:.1f} GB" for name, size in parts.items())
+    raise SpecterError(f"{spec.name} ({config.num_hidden_layers} layers, {str(dtype).removeprefix('torch.')}) keeps "
+                       f"about {sum(parts.values()) / GB:.1f} GB in host memory ({listed}), but {free / GB:.1f} GB is "
+                       f"available: model.layers=N builds fewer layers"
+                       + (", residual_transfer=false drops the blobs" if residual else "")
+                       + f", or set {SKIP_ENV}=1 to try anyway")
+
+
 def available_host_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (None where there is no such file)."""
     try:

@@ -17,7 +17,19 @@ from specter.offload.host_store import HostExpertStore
 from specter.quant.int4 import Int4Linear, select_expert
 from specter.quant.residual_expert import BlobLayout, decode_expert_reference, encode_experts, expert_layout
 
-ENCODE_CHUNK = 8  # experts per batched encode (bounds the encode's temporaries: about 6 GB for dsv2)
+# The encode's temporaries peak at 96 bytes per weight of the linear it encodes (live tensor bytes, measured on
+# the CPU with a dispatch-mode tracker, tests/test_residual_build.py); the build keeps them within ENCODE_WORK_BYTES
+# whatever the expert size: several experts per encode where they are small, slices of one expert's rows where
+# one linear alone is larger (phi, mixtral).
+ENCODE_BYTES_PER_WEIGHT = 96
+ENCODE_WORK_BYTES = 4 * 2**30
+
+
+def encode_chunk(store: HostExpertStore, work_bytes: int) -> tuple[int, int]:
+    """(experts per encode, weights per encode) so that an encode's temporaries stay within `work_bytes`."""
+    max_weights = max(1, work_bytes // ENCODE_BYTES_PER_WEIGHT)
+    largest = 2 * store.intermediate * store.hidden  # gate_up, the larger linear
+    return max(1, min(store.num_experts, max_weights // largest)), max_weights
 
 
 def residual_dtype_problem(dtype: torch.dtype) -> str:
@@ -56,14 +68,15 @@ class ResidualExpertStore:
         drafts = [(module.draft_gate_up, module.draft_down) for module in experts]
         device = drafts[0][0].qweight.device
         buffers, offsets = [], []
+        experts_per_encode, max_weights = encode_chunk(store, ENCODE_WORK_BYTES)
         for layer, layer_drafts in enumerate(drafts):
             gate_up, down = store.layer_weights(layer)  # [E, 2I, H], [E, H, I]
             blobs = []
-            for first in range(0, store.num_experts, ENCODE_CHUNK):  # a chunk of experts per batched encode
-                chunk = slice(first, min(first + ENCODE_CHUNK, store.num_experts))
+            for first in range(0, store.num_experts, experts_per_encode):
+                chunk = slice(first, min(first + experts_per_encode, store.num_experts))
                 chunk_drafts = [Int4Linear(d.qweight[chunk], d.scales[chunk], d.group_size) for d in layer_drafts]
-                blobs += [blob.cpu() for blob in encode_experts([gate_up[chunk].to(device), down[chunk].to(device)],
-                                                                chunk_drafts)]
+                weights = [gate_up[chunk].to(device), down[chunk].to(device)]
+                blobs += [blob.cpu() for blob in encode_experts(weights, chunk_drafts, max_weights)]
             sizes = [blob.numel() for blob in blobs]
             offsets.append([sum(sizes[:e]) for e in range(len(sizes) + 1)])
             buffers.append(pin(torch.cat(blobs), device))

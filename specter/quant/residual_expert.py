@@ -85,16 +85,43 @@ def encode_expert(weights: list[torch.Tensor], drafts: list[Int4Linear]) -> torc
                           [Int4Linear(d.qweight.unsqueeze(0), d.scales.unsqueeze(0), d.group_size) for d in drafts])[0]
 
 
-def encode_experts(weights: list[torch.Tensor], drafts: list[Int4Linear]) -> list[torch.Tensor]:
+def encode_experts(weights: list[torch.Tensor], drafts: list[Int4Linear],
+                   max_weights: int | None = None) -> list[torch.Tensor]:
     """The blobs of n experts at once: their linears W [n, out, in] against their stacked drafts (one
-    batched encode per linear, then each expert's slice of it)."""
-    parts = [encode(w, unpack_codes(d.qweight), scales_by_row(d), d.group_size) for w, d in zip(weights, drafts)]
+    batched encode per linear, then each expert's slice of it). With `max_weights`, a single expert's linear
+    larger than that is encoded a slice of rows at a time (`encode_in_rows`)."""
+    parts = [encode_in_rows(w, d, max_weights) for w, d in zip(weights, drafts)]
     firsts = [torch.cat([p.word_start[:, 0, 0], p.word_start.new_tensor([p.words.numel()])]).tolist()
               for p in parts]  # [n + 1] per linear: where each expert's stream starts
     return [expert_blob([ResidualTensor(p.margin_class[e], p.zero_width[e], p.word_start[e] - first[e],
                                         p.words[first[e]:first[e + 1]], p.dtype, p.group_size)
                          for p, first in zip(parts, firsts)])
             for e in range(weights[0].shape[0])]
+
+
+def encode_in_rows(weight: torch.Tensor, draft: Int4Linear, max_weights: int | None = None) -> ResidualTensor:
+    """`encode` of W [n, out, in] against its draft, in slices of output rows of at most `max_weights` weights
+    (None: at once; the draft's codes are unpacked a slice at a time too), joined into the one encoding: every
+    group starts on a word of its own, so a slice's word starts move by the words before it. Slicing needs n = 1
+    (the stream is expert-major)."""
+    n, out_features, in_features = weight.shape
+    rows = out_features if max_weights is None else max(1, max_weights // (n * in_features))
+    if rows >= out_features:
+        return encode(weight, unpack_codes(draft.qweight), scales_by_row(draft), draft.group_size)
+    if n != 1:
+        raise ValueError(f"slicing rows needs one expert per encode, got {n}")
+    parts, words = [], 0
+    for first in range(0, out_features, rows):
+        rows_of = slice(first, first + rows)
+        codes = unpack_codes(draft.qweight[..., rows_of])  # qweight [n, in/8, out]: a slice of output rows
+        scales = draft.scales[..., rows_of].transpose(-1, -2)  # [n, rows, in/g]
+        part = encode(weight[:, rows_of], codes, scales, draft.group_size)
+        parts.append((part, words))
+        words += part.words.numel()
+    joined = lambda field: torch.cat([getattr(p, field) for p, _ in parts], dim=-2)  # noqa: E731
+    return ResidualTensor(joined("margin_class"), joined("zero_width"),
+                          torch.cat([p.word_start + before for p, before in parts], dim=-2),
+                          torch.cat([p.words for p, _ in parts]), weight.dtype, draft.group_size)
 
 
 def expert_blob(parts: list[ResidualTensor]) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""Experts built straight into host memory where the GPU cannot hold the whole build (library, CLI and harness
+alike, stated in run.json), the device never holding more than one layer's experts while building, and the host
+memory an offloaded run keeps checked before anything loads."""
+import json
+
+import pytest
+import torch
+
+import specter
+import specter.models.loading as loading
+from experiments.main import run
+from specter.errors import SpecterError
+from specter.models.loading import hf_config, with_layers
+from specter.models.memory_check import GB, check_host_memory, experts_placement, host_need
+from specter.models.registry import get_spec
+from tests.cli import compose_with
+from tests.live_bytes import LiveBytes
+
+PHI = get_spec("phi")
+
+
+def test_phi_and_mixtral_on_an_80_gb_gpu_put_their_experts_on_the_host_and_dsv2_does_not():
+    free = 78 * GB
+    for name, on_host in (("phi", True), ("mixtral", True), ("dsv2", False), ("qwen", False)):
+        spec = get_spec(name)
+        placed, why = experts_placement(spec, hf_config(spec), torch.device("cuda"), torch.bfloat16, gpu_free=free)
+        assert placed == on_host, (name, why)
+        assert ("pinned host memory" in why) == on_host and "78.0 GB is free" in why or not on_host
+    placed, why = experts_placement(PHI, hf_config(PHI), torch.device("cpu"), torch.bfloat16)
+    assert not placed and "runs on the cpu" in why
+
+
+def test_the_library_places_the_experts_as_the_rule_says(monkeypatch):
+    monkeypatch.setattr(loading, "experts_placement", lambda *args, **kwargs: (True, "as if the GPU were small"))
+    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+    assert model.host_store is not None  # built straight into the host store
+    out = specter.SpecterEngine(model, specter.SpecterConfig(resident_experts_per_layer=3)).generate(
+        torch.tensor([[256, *b"Natalia"]]), 8)
+    assert len(out.token_ids) == 8
+    assert specter.load_model("tiny-qwen", device="cpu", experts_on_host=False).host_store is None  # asked: kept
+
+
+def test_building_with_host_experts_holds_one_layer_of_experts_outside_the_store_at_a_time():
+    """tiny-qwen rebuilt with 12 layers: every byte the build keeps beyond the host store, the non-expert
+    weights and the INT4 drafts is one layer's experts and their generation's and quantization's temporaries."""
+    spec = with_layers(get_spec("tiny-qwen"), 12)
+    with LiveBytes() as live:
+        model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16, experts_on_host=True,
+                                   num_layers=12)
+    store = model.host_store
+    store_bytes = sum(buffer.numel() * buffer.element_size() for buffer in store.buffers)
+    layer_experts = store_bytes // 12
+    rest = sum(t.numel() * t.element_size() for t in model.hf.parameters()) + \
+        sum(t.numel() * t.element_size() for m in model.experts for t in m.buffers())
+    assert spec.hf_config["num_hidden_layers"] == 12
+    # one layer generated, quantized (float32 temporaries) and copied: under 5 layers' bytes; 12 at once: 12 more
+    assert live.peak <= store_bytes + rest + 5 * layer_experts
+    assert live.peak > store_bytes  # it did see the store
+
+
+def test_an_offloaded_run_that_cannot_keep_its_host_memory_is_one_line_before_loading():
+    config = hf_config(get_spec("mixtral"))
+    need = host_need(get_spec("mixtral"), config, torch.bfloat16, residual=True)
+    assert need["residual blobs"] < need["FP experts"] and sum(need.values()) / GB > 140
+    with pytest.raises(SpecterError) as info:
+        check_host_memory(get_spec("mixtral"), config, torch.bfloat16, residual=True, host_free=125 * GB)
+    message = str(info.value)
+    assert "\n" not in message and "125.0 GB is available" in message and "residual blobs" in message
+    check_host_memory(get_spec("dsv2"), hf_config(get_spec("dsv2")), torch.bfloat16, True, host_free=125 * GB)
+
+
+def test_the_harness_refuses_a_host_it_does_not_fit_and_says_where_the_experts_went(tmp_path, monkeypatch):
+    import specter.models.memory_check as memory_check
+    monkeypatch.chdir(tmp_path)
+    fast = ("num_prompts=1", "repeats=1", "max_new_tokens=4", "device=cpu", "dataset=builtin",
+            "systems=[specter]", f"results_root={tmp_path}")
+    out = run(compose_with(*fast))
+    assert json.loads((out / "run.json").read_text())["experts"]["on"] == "device"
+    info = json.loads((out / "run.json").read_text())
+    assert info["invocations"][-1]["peak_memory"]["host_gb"] > 0
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 1000)
+    with pytest.raises(SpecterError, match="keeps about .* GB in host memory"):
+        run(compose_with(*fast, "results_dir=" + str(tmp_path / "second")))
