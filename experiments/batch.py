@@ -10,7 +10,7 @@ from tqdm import tqdm
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts
 from experiments.records import SUMMARY_KEYS, RecordWriter, record, unavailable
-from experiments.settings import header, load
+from experiments.settings import header, keep_raw_experts, load
 from experiments.systems import build_system
 from specter.metrics import GenerationResult
 
@@ -22,7 +22,8 @@ def run_batch(cfg, out_dir, open_writer):
     """Every batch-capable system on B requests per dataset (the dataset's prompts, cycled if fewer than B)."""
     model, config = load(cfg)
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
-    systems = [build_system(name, model, config) for name in cfg.systems]
+    keep_raw = keep_raw_experts(list(cfg.systems), config)
+    systems = [build_system(name, model, config, keep_raw) for name in cfg.systems]
     writer = open_writer(model)
     tags = {"k": config.k, "prefix_tokens": cfg.prefix_tokens}
     runnable = usable_systems(systems, writer, tags)

@@ -15,7 +15,7 @@ from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, run_cases
 from experiments.records import SUMMARY_KEYS
 from experiments.routing import run_routing
-from experiments.settings import header, load, specter_config, workload
+from experiments.settings import header, keep_raw_experts, load, specter_config, workload
 from experiments.systems import build_system
 from specter.errors import SpecterError
 
@@ -28,7 +28,8 @@ def run_main(cfg, out_dir: Path, open_writer):
     model, config = load(cfg)
     loaded = time.perf_counter()
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
-    systems = [build_system(name, model, config) for name in cfg.systems]
+    keep_raw = keep_raw_experts(list(cfg.systems), config)
+    systems = [build_system(name, model, config, keep_raw) for name in cfg.systems]
     print(f"setup: model loaded in {loaded - start:.1f} s, systems built in {time.perf_counter() - loaded:.1f} s",
           file=sys.stderr, flush=True)
     run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(model), cfg.strict,
@@ -45,7 +46,7 @@ def run_depth(cfg, out_dir: Path, open_writer):
     ks = list(cfg.experiment.k_values)
     for repeat in range(cfg.repeats):
         for k in ks[repeat % len(ks):] + ks[: repeat % len(ks)]:  # candidate order rotated per repeat
-            engine = build_system("specter", model, specter_config(cfg, model.spec, k=k))
+            engine = build_system("specter", model, specter_config(cfg, model.spec, k=k), keep_raw=not config.residual_transfer)
             run_cases([engine], prompts, 1, cfg.max_new_tokens, writer,
                       tags={"k": k, "prefix_tokens": cfg.prefix_tokens}, repeat_offset=repeat,
                       warmup_tokens=cfg.warmup_tokens)
@@ -71,7 +72,8 @@ def run_prefix(cfg, out_dir: Path, open_writer):
     """Specter and the other systems for each prompt-prefix length."""
     model, config = load(cfg)
     texts = prompts_for(cfg.dataset, cfg.num_prompts)
-    systems = [build_system(name, model, config) for name in cfg.systems]
+    keep_raw = keep_raw_experts(list(cfg.systems), config)
+    systems = [build_system(name, model, config, keep_raw) for name in cfg.systems]
     writer = open_writer(model)
     for prefix in cfg.experiment.prefix_values:
         prompts = encode_prompts(model, texts, int(prefix))

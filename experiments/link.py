@@ -41,7 +41,10 @@ class RunLink:
 
 
 def pinned_sources(model) -> list[torch.Tensor]:
-    """The pinned host tensors a run reads its offloaded experts from (the host store's layers); [] when every
-    expert is on the GPU."""
+    """The pinned host tensors a run reads its offloaded experts from: the host store's layers, or the residual
+    blobs' where the raw experts were let go; [] when every expert is on the GPU."""
     store = getattr(model, "host_store", None)
-    return [] if store is None else [b for b in store.buffers if b is not None]
+    raw = [] if store is None else [b for b in store.buffers if b is not None]
+    runtime = getattr(model, "offload", None)
+    residuals = None if runtime is None else runtime.residuals
+    return raw if raw or residuals is None else list(residuals.buffers)

@@ -301,9 +301,30 @@ def _version(name: str) -> str | None:
         return None
 
 
+SYSTEMS = Path(__file__).resolve().parent.parent / "conf" / "system"
+
+
+def reads_raw_experts(name: str, config: SpecterConfig) -> bool:
+    """Does system `name` read the raw experts from the host (everything but Specter with residual transfer)?
+    An unknown name counts as reading them (building it fails with its own error)."""
+    path = SYSTEMS / f"{name}.yaml"
+    if not path.is_file():
+        return True
+    options = OmegaConf.load(path)
+    residual = dict(options.get("specter") or {}).get("residual_transfer", config.residual_transfer)
+    return options.get("_target_") != "experiments.systems.make_specter" or not residual
+
+
+def keep_raw_experts(names: list[str], config: SpecterConfig) -> bool:
+    """The host keeps the raw experts unless every system of the run reads residual blobs only (then it keeps
+    the blobs alone: about half the host memory in bf16)."""
+    return not names or any(reads_raw_experts(name, config) for name in names)
+
+
 def expert_placement(cfg) -> dict:
     """Where the run's FP experts are built or loaded (run.json `experts`): {"on": "host" | "device", "why"}, the
-    choice load_model makes by default (`memory_check.experts_placement`), decided before anything loads."""
+    choice load_model makes by default (`memory_check.experts_placement`), decided before anything loads, and
+    whether the host keeps the raw experts beside their residual blobs ("raw", `keep_raw_experts`)."""
     choice = model_choice(cfg)
     device = torch.device(choice.device) if choice.device is not None else default_device()
     if choice.synthetic:
@@ -311,7 +332,9 @@ def expert_placement(cfg) -> dict:
         on_host, why = experts_placement(spec, hf_config(spec), device, choice.dtype or default_dtype(device))
     else:
         on_host, why = checkpoint_placement(checkpoint_path(cfg), device, choice.dtype)
-    return {"on": "host" if on_host else "device", "why": why}
+    keep_raw = keep_raw_experts(list(cfg.get("systems") or []), specter_config(cfg, choice.spec))
+    return {"on": "host" if on_host else "device", "why": why,
+            "raw": "kept" if keep_raw else "let go as encoded: every system reads residual blobs"}
 
 
 def load(cfg):
@@ -321,7 +344,8 @@ def load(cfg):
     if choice.synthetic and config.resident_experts_per_layer is not None:
         spec = with_layers(choice.spec, choice.layers)
         device = torch.device(choice.device) if choice.device is not None else default_device()
-        check_host_memory(spec, hf_config(spec), choice.dtype or default_dtype(device), config.residual_transfer)
+        check_host_memory(spec, hf_config(spec), choice.dtype or default_dtype(device), config.residual_transfer,
+                          keep_raw_experts(list(cfg.get("systems") or []), config))
     model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=config.seed,
                        draft=choice.draft, weights=choice.weights if choice.synthetic else None,
                        num_layers=choice.layers, tokenizer=choice.tokenizer)

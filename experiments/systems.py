@@ -21,25 +21,33 @@ def known_systems() -> list[str]:
     return sorted(p.stem for p in SYSTEM_CONF.glob("*.yaml"))
 
 
-def build_system(name: str, model: HybridMoEModel, config: SpecterConfig):
-    """The system named `name`, built on `model` with the run's Specter config (memory budget, K, the
-    `specter` group's options) and, on top of it, the option file's own `specter:` block (an ablation's
-    difference, e.g. `specter: {prefetch: false}`): the factory is called with the resulting config."""
+def system_options(name: str):
+    """conf/system/<name>.yaml, or a one-line error naming the known systems."""
     path = SYSTEM_CONF / f"{name}.yaml"
     if not path.is_file():
         raise SpecterError(f"unknown system {name!r}; known systems: {', '.join(known_systems())}")
-    options = OmegaConf.load(path)
+    return OmegaConf.load(path)
+
+
+def build_system(name: str, model: HybridMoEModel, config: SpecterConfig, keep_raw: bool = True):
+    """The system named `name`, built on `model` with the run's Specter config (memory budget, K, the
+    `specter` group's options) and, on top of it, the option file's own `specter:` block (an ablation's
+    difference, e.g. `specter: {prefetch: false}`): the factory is called with the resulting config.
+    `keep_raw=False` (every system of the run is Specter with residual transfer: settings.keep_raw_experts) lets the
+    host's raw experts go once encoded."""
+    options = system_options(name)
     overrides = specter_options(options.pop("specter", None), f"conf/system/{name}.yaml: ")
     config = dataclasses.replace(config, **overrides)  # SpecterConfig checks the values again
     factory = hydra.utils.instantiate(options, _partial_=True)
-    system = factory(model=model, specter_config=config)
+    extra = {} if keep_raw else {"keep_raw_experts": False}  # only make_specter's runs get here
+    system = factory(model=model, specter_config=config, **extra)
     system.name = name  # rows are labelled by the option file (ablations share a class)
     return system
 
 
-def make_specter(model: HybridMoEModel, specter_config: SpecterConfig) -> SpecterEngine:
+def make_specter(model: HybridMoEModel, specter_config: SpecterConfig, keep_raw_experts: bool = True) -> SpecterEngine:
     """Specter with the run's config (an ablation's option file has already set its fields)."""
-    return SpecterEngine(model, specter_config)
+    return SpecterEngine(model, specter_config, keep_raw_experts)
 
 
 def make_specter_paper(model: HybridMoEModel, specter_config: SpecterConfig) -> SpecterEngine:

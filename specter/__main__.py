@@ -102,7 +102,7 @@ def generate(args: argparse.Namespace) -> int:
     model = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
     k = model.spec.default_k if args.k is None else args.k
     config = SpecterConfig(k=k, resident_experts_per_layer=resident_slots(model, args.mem))
-    engine = SpecterEngine(model, config)
+    engine = SpecterEngine(model, config, keep_raw_experts=False)  # Specter alone: the host keeps the blobs only
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a console that cannot show a character shows "?"
     result = generate_text(engine, args.prompt, args.max_new_tokens, chat=args.chat,

@@ -1,6 +1,7 @@
 """SpecterEngine.generate: the speculative decode loop (draft K with INT4 experts, verify once, commit)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -56,7 +57,11 @@ class SpecterEngine:
     name = "specter"
     batch_mode = True  # generate() also takes a list of prompts
 
-    def __init__(self, model: HybridMoEModel, config: SpecterConfig | None = None) -> None:
+    def __init__(self, model: HybridMoEModel, config: SpecterConfig | None = None,
+                 keep_raw_experts: bool = True) -> None:
+        """`keep_raw_experts=False`: with residual transfer, the host keeps only the experts' residual blobs (the
+        raw experts go as they are encoded, about half the host memory in bf16); a system that reads raw experts
+        cannot serve the model afterwards."""
         self.model = model
         config = config or SpecterConfig()
         config.check_against(model.num_experts)
@@ -67,7 +72,8 @@ class SpecterEngine:
         self.graphs = DraftGraphCache(model, self.elb, self.config.draft_compile)
         self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()
         slots = self.config.resident_experts_per_layer
-        self.offload_config = None if slots is None else OffloadConfig.of(self.config)
+        self.offload_config = None if slots is None else \
+            dataclasses.replace(OffloadConfig.of(self.config), keep_raw=keep_raw_experts)
         self.planner = self._planner()
         self.session = None  # the OffloadSession of the running call
         self.ahead = DraftAhead(model, self.elb, self.config.draft_compile, self.config.k) \

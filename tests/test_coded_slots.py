@@ -5,7 +5,7 @@ import torch
 import specter
 from specter.errors import SpecterError
 from specter.offload.coded_slots import SCRATCH_ROWS, CodedSlots, coded_rows
-from specter.offload.residual_store import ResidualExpertStore
+from specter.offload.residual_store import ResidualExpertStore, kernel_check_experts
 from specter.offload.runtime import move_experts_to_store
 from specter.offload.streams import DeviceStreams
 from tests.conftest import TINY_MODELS, prompt
@@ -99,7 +99,8 @@ def test_the_store_refuses_a_decode_kernel_that_does_not_rebuild_its_experts(mon
     assert not residuals.use_kernel  # no-op on the CPU
     residuals.use_kernel = True
     monkeypatch.setattr(residuals, "launcher", lambda: None)  # decode falls back to the reference
-    residuals.check_kernel(store)
+    expected = kernel_check_experts(store)
+    residuals.check_kernel(expected)
     exact = residuals.decode
     last = (len(residuals.drafts) - 1, store.num_experts - 1)
 
@@ -111,7 +112,7 @@ def test_the_store_refuses_a_decode_kernel_that_does_not_rebuild_its_experts(mon
 
     monkeypatch.setattr(residuals, "decode", flipped)
     with pytest.raises(SpecterError, match=f"does not rebuild layer {last[0]}'s expert {last[1]} bit for bit"):
-        residuals.check_kernel(store)
+        residuals.check_kernel(expected)
 
 
 @pytest.mark.gpu

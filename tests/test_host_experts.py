@@ -63,10 +63,12 @@ def test_an_offloaded_run_that_cannot_keep_its_host_memory_is_one_line_before_lo
     need = host_need(get_spec("mixtral"), config, torch.bfloat16, residual=True)
     assert need["residual blobs"] < need["FP experts"] and sum(need.values()) / GB > 140
     with pytest.raises(SpecterError) as info:
-        check_host_memory(get_spec("mixtral"), config, torch.bfloat16, residual=True, host_free=125 * GB)
+        check_host_memory(get_spec("mixtral"), config, torch.bfloat16, residual=True, keep_raw=True,
+                          host_free=125 * GB)
     message = str(info.value)
     assert "\n" not in message and "125.0 GB is available" in message and "residual blobs" in message
     check_host_memory(get_spec("dsv2"), hf_config(get_spec("dsv2")), torch.bfloat16, True, host_free=125 * GB)
+    assert "systems=[specter] alone keeps the blobs" in message
 
 
 def test_the_harness_refuses_a_host_it_does_not_fit_and_says_where_the_experts_went(tmp_path, monkeypatch):
@@ -81,3 +83,41 @@ def test_the_harness_refuses_a_host_it_does_not_fit_and_says_where_the_experts_w
     monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 1000)
     with pytest.raises(SpecterError, match="keeps about .* GB in host memory"):
         run(compose_with(*fast, "results_dir=" + str(tmp_path / "second")))
+
+
+def test_specter_alone_keeps_the_residual_blobs_and_not_the_raw_experts():
+    """keep_raw_experts=False: each layer's raw experts leave the host store once encoded; the tokens are the
+    raw-keeping engine's; a system that reads raw experts then stops with one line."""
+    from baselines.target_only import TargetOnly
+    ids = torch.tensor([[256, *b"Natalia sold clips"]])
+    config = specter.SpecterConfig(resident_experts_per_layer=3)
+    kept = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+    with LiveBytes() as with_raw:
+        expected = specter.SpecterEngine(kept, config).generate(ids, 16).token_ids
+    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
+    with LiveBytes() as blobs_only:
+        engine = specter.SpecterEngine(model, config, keep_raw_experts=False)
+        assert engine.generate(ids, 16).token_ids == expected
+    store = model.host_store
+    assert not store.holds_raw and all(buffer is None for buffer in store.buffers)
+    assert kept.host_store.holds_raw  # the default keeps them
+    assert with_raw.now - blobs_only.now >= 0.95 * store.total_bytes  # what stays alive: less the raw experts
+    with pytest.raises(SpecterError, match="raw experts were released: this model keeps only residual blobs"):
+        TargetOnly(model, 3).generate(ids, 4)
+
+
+def test_the_host_check_counts_a_layer_of_blobs_where_the_raw_experts_go_as_encoded():
+    spec, config = get_spec("mixtral"), hf_config(get_spec("mixtral"))
+    both = sum(host_need(spec, config, torch.bfloat16, residual=True).values())
+    alone = sum(host_need(spec, config, torch.bfloat16, residual=True, keep_raw=False).values())
+    raw = host_need(spec, config, torch.bfloat16, residual=False)["FP experts"]
+    assert alone < raw * 1.2 < both
+    check_host_memory(spec, config, torch.bfloat16, residual=True, keep_raw=False, host_free=125 * GB)
+
+
+def test_the_harness_lets_the_raw_experts_go_only_when_every_system_reads_blobs():
+    from experiments.settings import keep_raw_experts
+    config = specter.SpecterConfig(resident_experts_per_layer=3)
+    assert not keep_raw_experts(["specter"], config)
+    assert keep_raw_experts(["specter", "mo_sm"], config) and keep_raw_experts(["specter_paper"], config)
+    assert keep_raw_experts(["specter"], specter.SpecterConfig(residual_transfer=False))

@@ -59,25 +59,28 @@ RESIDUAL_BLOB_FRACTION = 0.75
 
 
 def host_need(spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype,
-              residual: bool) -> dict[str, int]:
-    """Bytes an offloaded run keeps in host memory, by part: the FP experts, their residual blobs (`residual`:
-    residual transfer on), and the staging, temporaries and process around them (MARGIN)."""
+              residual: bool, keep_raw: bool = True) -> dict[str, int]:
+    """Bytes an offloaded run keeps in host memory at its peak, by part: the FP experts, their residual blobs
+    (`residual`: residual transfer on; without `keep_raw` the raw layers go as they are encoded, so the peak
+    holds the raw experts and one layer's blobs), and the staging, temporaries and process around them."""
     plan = plan_memory(spec, config, dtype, kv_tokens=0, workspace_gb=0.0)
     experts = plan.expert_bytes * plan.num_moe_layers * plan.num_experts
     need = {"FP experts": experts}
-    if residual:
+    if residual and keep_raw:
         need["residual blobs"] = int(RESIDUAL_BLOB_FRACTION * experts)
+    elif residual:
+        need["a layer's residual blobs"] = int(RESIDUAL_BLOB_FRACTION * experts / plan.num_moe_layers)
     need["staging, temporaries and the process"] = int((MARGIN - 1) * sum(need.values()))
     return need
 
 
 def check_host_memory(spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype, residual: bool,
-                      host_free: int | None = None) -> None:
+                      keep_raw: bool = True, host_free: int | None = None) -> None:
     """One-line SpecterError, before anything loads, when what an offloaded run keeps on the host does not fit the
     host's available memory: what is needed, by part, and what is free."""
     if os.environ.get(SKIP_ENV) == "1":
         return
-    parts = host_need(spec, config, dtype, residual)
+    parts = host_need(spec, config, dtype, residual, keep_raw)
     free = available_host_bytes() if host_free is None else host_free
     if free is None or sum(parts.values()) <= free:
         return
@@ -85,7 +88,8 @@ def check_host_memory(spec: ModelSpec, config: transformers.PretrainedConfig, dt
     raise SpecterError(f"{spec.name} ({config.num_hidden_layers} layers, {str(dtype).removeprefix('torch.')}) keeps "
                        f"about {sum(parts.values()) / GB:.1f} GB in host memory ({listed}), but {free / GB:.1f} GB is "
                        f"available: model.layers=N builds fewer layers"
-                       + (", residual_transfer=false drops the blobs" if residual else "")
+                       + (", systems=[specter] alone keeps the blobs and not the raw experts" if residual and keep_raw
+                          else "")
                        + f", or set {SKIP_ENV}=1 to try anyway")
 
 

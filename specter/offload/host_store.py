@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from specter.errors import SpecterError
 from specter.kernels.slot_moe import row_views
 from specter.offload.pinned import pin
 
@@ -11,7 +12,9 @@ class HostExpertStore:
     """Per MoE layer one [E, 3*I*H] host tensor; row e holds expert e's gate_up [2I, H] then down [H, I].
 
     One expert is therefore one contiguous copy. Pinned when the compute device is a GPU. Layers are
-    allocated as they are filled, so a loader can free its own copy of each layer as it goes.
+    allocated as they are filled, so a loader can free its own copy of each layer as it goes; a layer whose
+    experts every reader takes as residual blobs can be released (`release_layer`), after which reading it
+    is an error.
     """
 
     def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int,
@@ -22,6 +25,7 @@ class HostExpertStore:
         self.compute_device = torch.device(compute_device)
         self.buffers: list[torch.Tensor | None] = [None] * num_layers  # allocated as each layer arrives
         self.rows: list[tuple] = [()] * num_layers  # each layer's expert rows as views, made once
+        self.released: set[int] = set()  # layers whose raw experts were let go
 
     @classmethod
     def for_experts(cls, experts: list, dtype: torch.dtype, compute_device: torch.device) -> HostExpertStore:
@@ -46,8 +50,24 @@ class HostExpertStore:
         gate_up_rows.copy_(gate_up)
         down_rows.copy_(down)
 
+    def release_layer(self, layer: int) -> None:
+        """Let a layer's raw experts go (their residual blobs serve every reader from now on)."""
+        self.buffers[layer], self.rows[layer] = None, ()
+        self.released.add(layer)
+
+    @property
+    def holds_raw(self) -> bool:
+        return not self.released
+
+    def _check_held(self, layer: int) -> None:
+        if layer in self.released:
+            raise SpecterError(f"layer {layer}'s raw experts were released: this model keeps only residual blobs, "
+                               f"which only Specter with residual transfer reads (keep_raw_experts=True keeps them "
+                               f"for systems that read raw experts)")
+
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Expert's flat buffer [3*I*H] (a view into the store)."""
+        self._check_held(layer)
         return self.rows[layer][expert]
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,4 +76,5 @@ class HostExpertStore:
 
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (gate_up [E, 2I, H], down [E, H, I]) of a whole layer."""
+        self._check_held(layer)
         return row_views(self.buffers[layer], self.intermediate)

@@ -32,6 +32,13 @@ def encode_chunk(store: HostExpertStore, work_bytes: int) -> tuple[int, int]:
     return max(1, min(store.num_experts, max_weights // largest)), max_weights
 
 
+def kernel_check_experts(store: HostExpertStore) -> dict[tuple[int, int], torch.Tensor]:
+    """(layer, expert) -> its raw flat weights, for the experts `check_kernel` rebuilds: the first layer's first
+    and the last layer's last, copied now (the store may release its layers while the build runs)."""
+    picked = ((0, 0), (store.num_layers - 1, store.num_experts - 1))
+    return {key: store.expert(*key).clone() for key in picked}
+
+
 def residual_dtype_problem(dtype: torch.dtype) -> str:
     """Why experts of `dtype` cannot move as residuals ("" if they can)."""
     if dtype in (torch.float16, torch.bfloat16):
@@ -59,9 +66,11 @@ class ResidualExpertStore:
         self.layer_operands = [expert_operands(list(d), dtype) for d in drafts] if self.use_kernel else None
 
     @classmethod
-    def build(cls, store: HostExpertStore, experts: list) -> ResidualExpertStore:
+    def build(cls, store: HostExpertStore, experts: list, release_raw: bool = False) -> ResidualExpertStore:
         """Encode every expert of `store` against its layer's draft (`experts`: the model's HybridExperts, in
-        order), on the drafts' device, one expert at a time; blobs pinned when that device is a GPU."""
+        order), on the drafts' device, a chunk of bounded bytes at a time; blobs pinned when that device is a
+        GPU. With `release_raw` each layer's raw experts leave the store once encoded (host memory peaks at the
+        raw experts plus a layer's blobs, then holds the blobs only)."""
         if residual_dtype_problem(store.dtype):
             raise SpecterError(residual_dtype_problem(store.dtype))
         layout = expert_layout(store.hidden, store.intermediate, experts[0].group_size)
@@ -69,6 +78,8 @@ class ResidualExpertStore:
         device = drafts[0][0].qweight.device
         buffers, offsets = [], []
         experts_per_encode, max_weights = encode_chunk(store, ENCODE_WORK_BYTES)
+        kernel = TRITON_AVAILABLE and device.type == "cuda"
+        checked = kernel_check_experts(store) if kernel else {}  # copied: the raw layers may go before the check
         for layer, layer_drafts in enumerate(drafts):
             gate_up, down = store.layer_weights(layer)  # [E, 2I, H], [E, H, I]
             blobs = []
@@ -80,22 +91,25 @@ class ResidualExpertStore:
             sizes = [blob.numel() for blob in blobs]
             offsets.append([sum(sizes[:e]) for e in range(len(sizes) + 1)])
             buffers.append(pin(torch.cat(blobs), device))
+            del gate_up, down, weights
+            if release_raw:
+                store.release_layer(layer)
         residuals = cls(layout, store.dtype, drafts, buffers, offsets)
-        residuals.check_kernel(store)
+        residuals.check_kernel(checked)
         return residuals
 
-    def check_kernel(self, store: HostExpertStore) -> None:
-        """Raise SpecterError unless the Triton decode rebuilds the first layer's first expert and the last layer's
-        last expert bit for bit (no-op where the torch reference decodes): a GPU on which the kernel miscompiles
+    def check_kernel(self, expected: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Raise SpecterError unless the Triton decode rebuilds each (layer, expert) of `expected` (its raw flat
+        weights) bit for bit (no-op where the torch reference decodes): a GPU on which the kernel miscompiles
         stops here, not after serving wrong weights."""
         if not self.use_kernel:
             return
         launcher = self.launcher()
-        for layer, expert in ((0, 0), (len(self.drafts) - 1, store.num_experts - 1)):
+        for (layer, expert), raw in expected.items():
             device = self.drafts[layer][0].qweight.device
-            out = torch.empty(store.numel, dtype=self.dtype, device=device)
+            out = torch.empty(raw.numel(), dtype=self.dtype, device=device)
             self.decode(layer, expert, launcher, self.blob(layer, expert).to(device), out)
-            if not torch.equal(out.view(torch.int16).cpu(), store.expert(layer, expert).view(torch.int16).cpu()):
+            if not torch.equal(out.view(torch.int16).cpu(), raw.view(torch.int16).cpu()):
                 raise SpecterError(f"the residual decode kernel does not rebuild layer {layer}'s expert {expert} bit "
                                    f"for bit on this GPU; run with residual_transfer=false and report it")
 

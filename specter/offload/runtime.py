@@ -37,6 +37,7 @@ class OffloadConfig:
     residual: bool = False  # loads move residual blobs; a decode group's copies are issued together
     pooled_slots: int = 0  # of `slots`, per layer, moved to the spare rows and lent to the verify layers
     coded: bool = False  # the slots' memory holds residual blobs, rebuilt per verify wave (with `residual`)
+    keep_raw: bool = True  # False (with `residual`): the host store lets each layer's raw experts go once encoded
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
@@ -51,7 +52,7 @@ class OffloadConfig:
         lent to the verify layers; with `coded`, that memory holds residual blobs."""
         spare_rows = self.spare_rows + self.pooled_slots * len(model.experts)
         return offload_experts(model, self.slots - self.pooled_slots, self.policy, spare_rows, self.residual,
-                               self.pooled_slots > 0, self.coded and self.residual)
+                               self.pooled_slots > 0, self.coded and self.residual, self.keep_raw)
 
 
 @dataclass
@@ -125,7 +126,7 @@ def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStor
 
 
 def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SPARE_ROWS, residual: bool = False,
-                    spare_slots: bool = False, coded: bool = False) -> OffloadRuntime:
+                    spare_slots: bool = False, coded: bool = False, keep_raw: bool = True) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
@@ -134,7 +135,9 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
     on first use and kept), decoded `DECODE_GROUP` consecutive loads of one layer per launch. With
     `spare_slots` the verify layers also stream through the spare rows (lent for the layer). With `residual` and
     `coded`, the memory of those slots and spare rows, less `coded_slots.SCRATCH_ROWS` 16-bit rows, holds residual blobs
-    (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave.
+    (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave. Without
+    `keep_raw` the residual store's build lets the host store's raw experts go layer by layer (only systems that
+    read residual blobs can serve the model afterwards).
     The runtime's own residency manager (default verification options) becomes every layer's target
     executor.
     """
@@ -145,7 +148,7 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
         model.host_store = move_experts_to_store(model)
     residuals = None if runtime is None else runtime.residuals
     if residual and residuals is None:
-        residuals = ResidualExpertStore.build(model.host_store, model.experts)
+        residuals = ResidualExpertStore.build(model.host_store, model.experts, release_raw=not keep_raw)
     scratch = 0
     if coded:
         store = model.host_store
