@@ -26,10 +26,12 @@ class TargetOnly:
     name = "target_only"
     batch_mode = True
 
-    def __init__(self, model: HybridMoEModel, resident_experts_per_layer: int | None = None) -> None:
+    def __init__(self, model: HybridMoEModel, resident_experts_per_layer: int | None = None,
+                 residual: bool = False) -> None:
+        """`residual`: loads move residual blobs (the same exact weights; for a model whose host keeps only them)."""
         self.model = model
         self.slots = resident_experts_per_layer
-        self.offload_config = None if self.slots is None else OffloadConfig(self.slots)  # SpecterConfig's defaults
+        self.offload_config = None if self.slots is None else OffloadConfig(self.slots, residual=residual)
         self.verify_workspace = MoEWorkspace()
         if self.offload_config is not None:  # the experts move to the host store now
             self.offload_config.attach(model)

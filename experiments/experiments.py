@@ -10,12 +10,21 @@ from pathlib import Path
 
 import torch
 
+from baselines.target_only import TargetOnly
 from experiments.batch import run_batch
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, run_cases
 from experiments.records import SUMMARY_KEYS
 from experiments.routing import run_routing
-from experiments.settings import header, keep_raw_experts, load, specter_config, workload
+from experiments.settings import (
+    header,
+    keep_raw_experts,
+    load,
+    load_run,
+    reads_raw_experts,
+    specter_config,
+    workload,
+)
 from experiments.systems import build_system
 from specter.errors import SpecterError
 
@@ -23,19 +32,37 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_main(cfg, out_dir: Path, open_writer):
-    """Every configured system on every dataset's prompts (Figure 14)."""
+    """Every configured system on every dataset's prompts (Figure 14); where the host cannot hold the raw experts
+    and their residual blobs at once, the systems reading raw experts first, then the others (`HostPlan`)."""
     start = time.perf_counter()
-    model, config = load(cfg)
+    model, config, plan = load_run(cfg)
     loaded = time.perf_counter()
     prompts = encode_prompts(model, prompts_for(cfg.dataset, cfg.num_prompts), cfg.prefix_tokens)
-    keep_raw = keep_raw_experts(list(cfg.systems), config)
-    systems = [build_system(name, model, config, keep_raw) for name in cfg.systems]
-    print(f"setup: model loaded in {loaded - start:.1f} s, systems built in {time.perf_counter() - loaded:.1f} s",
-          file=sys.stderr, flush=True)
-    run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, open_writer(model), cfg.strict,
-              tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps,
-              warmup_tokens=cfg.warmup_tokens)
-    return header(model, config, cfg, "main"), SUMMARY_KEYS["main"]
+    phases = main_phases(list(cfg.systems), config, plan)
+    writer, references = None, {}
+    for number, names in enumerate(phases):
+        systems = [build_system(name, model, config, plan.keep_raw and number == 0) for name in names]
+        writer = writer or open_writer(model)  # once the first systems are built: a bad name writes nothing
+        print(f"setup: model loaded in {loaded - start:.1f} s, systems built in {time.perf_counter() - loaded:.1f} s",
+              file=sys.stderr, flush=True)
+        replay = None if number == 0 or not references else \
+            TargetOnly(model, config.resident_experts_per_layer, residual=True)  # target-only's replay, from blobs
+        run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, writer, cfg.strict,
+                  tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps,
+                  warmup_tokens=cfg.warmup_tokens, references=references, reference_target=replay)
+        del systems, replay
+        loaded = time.perf_counter()
+    note = "" if len(phases) == 1 else (f"; measured one after another, {' then '.join('+'.join(p) for p in phases)}"
+                                        f" (the host cannot hold the raw experts and their residual blobs at once)")
+    return header(model, config, cfg, "main") + note, SUMMARY_KEYS["main"]
+
+
+def main_phases(names: list[str], config, plan) -> list[list[str]]:
+    """The systems in one group, or (`plan.phased`) those that read raw experts, then those that read blobs."""
+    if not plan.phased:
+        return [names]
+    raw = [name for name in names if reads_raw_experts(name, config)]
+    return [raw, [name for name in names if name not in raw]]
 
 
 def run_depth(cfg, out_dir: Path, open_writer):

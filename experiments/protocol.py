@@ -54,7 +54,8 @@ def warm_up(systems: list, ids: torch.Tensor, tokens, failed=None) -> list:
 
 def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_new_tokens: int,
               writer: RecordWriter, strict: bool = False, tags: dict | None = None, repeat_offset: int = 0,
-              token_caps: dict | None = None, warmup_tokens: int | None = None) -> None:
+              token_caps: dict | None = None, warmup_tokens: int | None = None, references: dict | None = None,
+              reference_target=None) -> None:
     """Every (dataset, prompt, repeat) on every system; rows go to `writer` as they finish.
 
     Repeat r visits the systems in an order rotated by r. Tokens of every system are compared with
@@ -63,7 +64,9 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
     (system -> tokens) lets a very slow system decode fewer tokens per case (its rows say how many;
     its tokens are checked against the same prefix of target-only's). Each system warms up once on the
     first prompt, for `warmup_tokens` (None: as many as its measured cases) within its cap; a system
-    whose cases a resumed `writer` holds already is skipped.
+    whose cases a resumed `writer` holds already is skipped. `references` (case -> target-only's tokens) carries
+    target-only's tokens from one call to the next (filled where target-only runs, read where it does not), and
+    `reference_target` replays the target for those checks (`check_case`) where target-only is not among `systems`.
     """
     tags, token_caps = tags or {}, token_caps or {}
 
@@ -99,23 +102,28 @@ def run_cases(systems: list, prompts: dict[str, list | str], repeats: int, max_n
                 order = runnable[repeat % len(runnable):] + runnable[: repeat % len(runnable)] if runnable else []
                 for i, ids in enumerate(cases):
                     key = {"dataset": dataset, "prompt_id": i, "repeat": repeat + repeat_offset, **tags}
-                    _run_case(order, key, ids, case_tokens, writer, strict)
+                    _run_case(order, key, ids, case_tokens, writer, strict, references, reference_target)
                     bar.update(len(order))
 
 
 def _run_case(systems: list, key: dict, ids: torch.Tensor, case_tokens, writer: RecordWriter,
-              strict: bool) -> None:
+              strict: bool, references: dict | None = None, reference_target=None) -> None:
     results = {}
     for system in systems:
         if not writer.done({**key, "system": system.name}):
             tokens = case_tokens(system.name)
             with gc_paused():
                 results[system.name] = system.generate(ids, tokens)
-    target = next((s for s in systems if s.name == "target_only"), None)
+    target = next((s for s in systems if s.name == "target_only"), reference_target)
+    case = tuple(sorted(key.items()))
     reference = results["target_only"].token_ids if "target_only" in results else None
+    if references is not None:
+        if reference is not None:
+            references[case] = reference
+        reference = references.get(case) if reference is None else reference
     for name, result in results.items():
         check = None if name == "target_only" or reference is None else reference[: len(result.token_ids)]
-        verdict = None if check is None else check_case(target, key, ids, result, check)
+        verdict = None if check is None or target is None else check_case(target, key, ids, result, check)
         if verdict is not None and verdict.verdict != EQUAL:
             message = f"{name} tokens on {key['dataset']} prompt {key['prompt_id']}: {verdict.text()}"
             if strict and verdict.verdict == MISMATCH:

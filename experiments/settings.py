@@ -29,7 +29,7 @@ from specter.models.loading import (
     load_model,
     with_layers,
 )
-from specter.models.memory_check import check_host_memory, experts_placement
+from specter.models.memory_check import available_host_bytes, check_host_memory, experts_placement, host_need
 from specter.models.registry import ModelSpec, get_spec
 from specter.offload.budget import plan_memory
 
@@ -332,24 +332,61 @@ def expert_placement(cfg) -> dict:
         on_host, why = experts_placement(spec, hf_config(spec), device, choice.dtype or default_dtype(device))
     else:
         on_host, why = checkpoint_placement(checkpoint_path(cfg), device, choice.dtype)
-    keep_raw = keep_raw_experts(list(cfg.get("systems") or []), specter_config(cfg, choice.spec))
-    return {"on": "host" if on_host else "device", "why": why,
-            "raw": "kept" if keep_raw else "let go as encoded: every system reads residual blobs"}
+    plan = host_plan(cfg, specter_config(cfg, choice.spec))
+    raw = "kept" if plan.keep_raw else "let go as encoded: every system reads residual blobs"
+    if plan.phased:
+        raw = ("kept for the systems that read them, then let go as encoded for those that read residual blobs: "
+               "measured one after another (the host cannot hold both)")
+    return {"on": "host" if on_host else "device", "why": why, "raw": raw}
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """How the run's systems share host memory: `keep_raw` (the raw experts stay beside the residual blobs) and
+    `phased` (the systems that read raw experts run every case first; then the raw experts go as they are
+    encoded and those that read residual blobs run: the host cannot hold both forms at once)."""
+
+    keep_raw: bool = True
+    phased: bool = False
+
+
+def host_plan(cfg, config: SpecterConfig) -> HostPlan:
+    """The run's HostPlan, from its systems and, for an offloaded seeded build, the host's available memory."""
+    names = list(cfg.get("systems") or [])
+    keep_raw = keep_raw_experts(names, config)
+    choice = model_choice(cfg)
+    if not (keep_raw and config.residual_transfer and choice.synthetic and config.resident_experts_per_layer):
+        return HostPlan(keep_raw)
+    if all(reads_raw_experts(name, config) for name in names):
+        return HostPlan(keep_raw)
+    spec = with_layers(choice.spec, choice.layers)
+    device = torch.device(choice.device) if choice.device is not None else default_device()
+    need = sum(host_need(spec, hf_config(spec), choice.dtype or default_dtype(device), True).values())
+    free = available_host_bytes()
+    return HostPlan(keep_raw, phased=free is not None and need > free)
 
 
 def load(cfg):
-    """(model, SpecterConfig) of the run; first, whether what it keeps in host memory fits (`check_host_memory`)."""
+    """(model, SpecterConfig) of the run (`load_run`)."""
+    model, config, _ = load_run(cfg)
+    return model, config
+
+
+def load_run(cfg) -> tuple:
+    """(model, SpecterConfig, HostPlan) of the run; first, whether what it keeps in host memory fits
+    (`check_host_memory`, for the plan: both forms at once, or one after the other)."""
     choice = model_choice(cfg)
     config = specter_config(cfg, choice.spec)
+    plan = host_plan(cfg, config)
     if choice.synthetic and config.resident_experts_per_layer is not None:
         spec = with_layers(choice.spec, choice.layers)
         device = torch.device(choice.device) if choice.device is not None else default_device()
         check_host_memory(spec, hf_config(spec), choice.dtype or default_dtype(device), config.residual_transfer,
-                          keep_raw_experts(list(cfg.get("systems") or []), config))
+                          plan.keep_raw and not plan.phased)
     model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=config.seed,
                        draft=choice.draft, weights=choice.weights if choice.synthetic else None,
                        num_layers=choice.layers, tokenizer=choice.tokenizer)
-    return model, config
+    return model, config, plan
 
 
 def header(model, config, cfg, what: str) -> str:

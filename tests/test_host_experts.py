@@ -121,3 +121,24 @@ def test_the_harness_lets_the_raw_experts_go_only_when_every_system_reads_blobs(
     assert not keep_raw_experts(["specter"], config)
     assert keep_raw_experts(["specter", "mo_sm"], config) and keep_raw_experts(["specter_paper"], config)
     assert keep_raw_experts(["specter"], specter.SpecterConfig(residual_transfer=False))
+
+
+def test_a_host_that_cannot_hold_both_forms_measures_the_systems_one_after_another(tmp_path, monkeypatch, capsys):
+    """As if the host could not hold the raw experts and their blobs at once: target-only and MO-SM (raw) run
+    every case first, then the raw experts go as they are encoded and Specter (blobs) runs; Specter's tokens are
+    still checked against target-only's (replayed from the blobs), and the header and run.json say so."""
+    import pandas as pd
+    import experiments.settings as settings
+    monkeypatch.setattr(settings, "available_host_bytes", lambda: 1)  # both forms never fit: phases
+    monkeypatch.chdir(tmp_path)
+    out = run(compose_with("systems=[specter,target_only,mo_sm]", "dtype=bfloat16", "num_prompts=1", "repeats=1",
+                           "max_new_tokens=8", "device=cpu", "dataset=builtin", f"results_root={tmp_path}"))
+    rows = pd.read_csv(out / "records.csv")
+    assert list(rows.system) == ["target_only", "mo_sm", "specter"]  # phase 1, then phase 2
+    assert (rows.status == "ok").all()
+    specter_row = rows[rows.system == "specter"].iloc[0]
+    assert specter_row.tokens_match_target == "yes" and specter_row.token_check == "equal"
+    assert "residual_transfer" in specter_row.mechanisms
+    info = json.loads((out / "run.json").read_text())
+    assert "measured one after another" in info["experts"]["raw"]
+    assert "measured one after another, target_only+mo_sm then specter" in capsys.readouterr().out
