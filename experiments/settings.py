@@ -22,7 +22,7 @@ from specter.models.loading import (
     WEIGHTS,
     check_architecture,
     checkpoint_dir,
-    checkpoint_placement,
+    checkpoint_spec,
     default_device,
     default_dtype,
     hf_config,
@@ -304,6 +304,15 @@ def _version(name: str) -> str | None:
 SYSTEMS = Path(__file__).resolve().parent.parent / "conf" / "system"
 
 
+def run_model(cfg, choice: ModelChoice) -> tuple:
+    """(spec, HF config, dtype, device) the run will load, read before loading (a checkpoint's from its config)."""
+    device = torch.device(choice.device) if choice.device is not None else default_device()
+    if not choice.synthetic:
+        return (*checkpoint_spec(checkpoint_path(cfg), device, choice.dtype), device)
+    spec = with_layers(choice.spec, choice.layers)
+    return spec, hf_config(spec), choice.dtype or default_dtype(device), device
+
+
 def reads_raw_experts(name: str, config: SpecterConfig) -> bool:
     """Does system `name` read the raw experts from the host (everything but Specter with residual transfer)?
     An unknown name counts as reading them (building it fails with its own error)."""
@@ -326,12 +335,8 @@ def expert_placement(cfg) -> dict:
     choice load_model makes by default (`memory_check.experts_placement`), decided before anything loads, and
     whether the host keeps the raw experts beside their residual blobs ("raw", `keep_raw_experts`)."""
     choice = model_choice(cfg)
-    device = torch.device(choice.device) if choice.device is not None else default_device()
-    if choice.synthetic:
-        spec = with_layers(choice.spec, choice.layers)
-        on_host, why = experts_placement(spec, hf_config(spec), device, choice.dtype or default_dtype(device))
-    else:
-        on_host, why = checkpoint_placement(checkpoint_path(cfg), device, choice.dtype)
+    spec, config, dtype, device = run_model(cfg, choice)
+    on_host, why = experts_placement(spec, config, device, dtype)
     plan = host_plan(cfg, specter_config(cfg, choice.spec))
     raw = "kept" if plan.keep_raw else "let go as encoded: every system reads residual blobs"
     if plan.phased:
@@ -351,17 +356,15 @@ class HostPlan:
 
 
 def host_plan(cfg, config: SpecterConfig) -> HostPlan:
-    """The run's HostPlan, from its systems and, for an offloaded seeded build, the host's available memory."""
+    """The run's HostPlan, from its systems and, for an offloaded run, the host's available memory."""
     names = list(cfg.get("systems") or [])
     keep_raw = keep_raw_experts(names, config)
-    choice = model_choice(cfg)
-    if not (keep_raw and config.residual_transfer and choice.synthetic and config.resident_experts_per_layer):
+    if not (keep_raw and config.residual_transfer and config.resident_experts_per_layer):
         return HostPlan(keep_raw)
     if all(reads_raw_experts(name, config) for name in names):
         return HostPlan(keep_raw)
-    spec = with_layers(choice.spec, choice.layers)
-    device = torch.device(choice.device) if choice.device is not None else default_device()
-    need = sum(host_need(spec, hf_config(spec), choice.dtype or default_dtype(device), True).values())
+    spec, hf, dtype, _ = run_model(cfg, model_choice(cfg))
+    need = sum(host_need(spec, hf, dtype, True).values())
     free = available_host_bytes()
     return HostPlan(keep_raw, phased=free is not None and need > free)
 
@@ -378,11 +381,9 @@ def load_run(cfg) -> tuple:
     choice = model_choice(cfg)
     config = specter_config(cfg, choice.spec)
     plan = host_plan(cfg, config)
-    if choice.synthetic and config.resident_experts_per_layer is not None:
-        spec = with_layers(choice.spec, choice.layers)
-        device = torch.device(choice.device) if choice.device is not None else default_device()
-        check_host_memory(spec, hf_config(spec), choice.dtype or default_dtype(device), config.residual_transfer,
-                          plan.keep_raw and not plan.phased)
+    if config.resident_experts_per_layer is not None:
+        spec, hf, dtype, _ = run_model(cfg, choice)
+        check_host_memory(spec, hf, dtype, config.residual_transfer, plan.keep_raw and not plan.phased)
     model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=config.seed,
                        draft=choice.draft, weights=choice.weights if choice.synthetic else None,
                        num_layers=choice.layers, tokenizer=choice.tokenizer)

@@ -186,12 +186,19 @@ def load_checkpoint(path: Path, device: torch.device, dtype: torch.dtype | None,
     return model.eval(), words, spec
 
 
-def checkpoint_placement(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[bool, str]:
-    """`experts_placement` of a checkpoint directory, from its config (None dtype: what loading would pick)."""
+def checkpoint_spec(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple:
+    """(spec, HF config, dtype) of a checkpoint directory as loading it on `device` would have them (None dtype:
+    what loading would pick), read from its config alone."""
     base = checkpoint_architecture(path)
     config = transformers.AutoConfig.from_pretrained(path)
     spec = dataclasses.replace(base, name=path.name, hf_config=config.to_dict())
-    return experts_placement(spec, config, device, dtype or default_dtype(device, stored_dtype(config)))
+    return spec, config, dtype or default_dtype(device, stored_dtype(config))
+
+
+def checkpoint_placement(path: Path, device: torch.device, dtype: torch.dtype | None) -> tuple[bool, str]:
+    """`experts_placement` of a checkpoint directory, from its config."""
+    spec, config, dtype = checkpoint_spec(path, device, dtype)
+    return experts_placement(spec, config, device, dtype)
 
 
 def check_model_source(name_or_path: str | os.PathLike) -> None:
