@@ -125,8 +125,8 @@ def main() -> None:
     write_rows_csv(args.out / "draft_step.csv", rows)
     print("\nmodel   layers  position  eager ms  graph ms  default ms  eager/default  graph agrees  compiled agrees")
     for r in rows:
-        print(f"{r['model']:7s} {r['layers']:6d} {r['position']:9d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} {r['default_ms']:11.3f} "
-              f"{r['eager_over_default']:14.2f}  {r['graph_agree']:12s}  {r['compiled_agree']}")
+        print(f"{r['model']:7s} {r['layers']:6d} {r['position']:9d} {r['eager_ms']:9.3f} {r['graph_ms']:9.3f} "
+              f"{r['default_ms']:11.3f} {r['eager_over_default']:14.2f}  {r['graph_agree']:12s}  {r['compiled_agree']}")
 
 
 if __name__ == "__main__":

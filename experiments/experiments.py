@@ -73,7 +73,8 @@ def run_depth(cfg, out_dir: Path, open_writer):
     ks = list(cfg.experiment.k_values)
     for repeat in range(cfg.repeats):
         for k in ks[repeat % len(ks):] + ks[: repeat % len(ks)]:  # candidate order rotated per repeat
-            engine = build_system("specter", model, specter_config(cfg, model.spec, k=k), keep_raw=not config.residual_transfer)
+            config_k = specter_config(cfg, model.spec, k=k)
+            engine = build_system("specter", model, config_k, keep_raw=not config.residual_transfer)  # Specter alone
             run_cases([engine], prompts, 1, cfg.max_new_tokens, writer,
                       tags={"k": k, "prefix_tokens": cfg.prefix_tokens}, repeat_offset=repeat,
                       warmup_tokens=cfg.warmup_tokens)

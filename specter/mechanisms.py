@@ -51,8 +51,8 @@ def resolve(config: SpecterConfig, model) -> Resolved:
 
 def as_run(mechanisms: dict[str, str], graph_status: str) -> dict[str, str]:
     """`mechanisms` as they ran, given the draft step's capture (`DraftGraphCache.status`: "on", "on, compiled",
-    "on, not compiled: why", "failed: why", "off" or "off: why"): the CUDA graph and its compilation stay "on" only where
-    the step was captured (and compiled)."""
+    "on, not compiled: why", "failed: why", "off" or "off: why"): the CUDA graph and its compilation stay "on"
+    only where the step was captured (and compiled)."""
     ran = dict(mechanisms)
     captured = graph_status.startswith("on")
     if ran.get("cuda_graph") == "on" and not captured:
