@@ -23,7 +23,9 @@
 # per directory in OUT_DIR. table: the table of record (report's loop): calibrated weights, MODELS default
 # "dsv2 qwen phi mixtral", SYSTEMS default specter,specter_paper,target_only,mo_sm,specmoeoff_sm,transformers,llama_cpp,
 # REPEATS default 3, resuming TABLE_DIR (default .table-h200; carry it), then `python -m experiments.table`
-# into OUT/table.md (copy the run directories to results/reference/table-<gpu>/, then `python -m experiments.table --readme README.md`). A point
+# into OUT/table.md (copy the run directories to results/reference/table-<gpu>/, then `python -m experiments.table --readme README.md`);
+# phi and mixtral build their experts straight into pinned host memory on an 80 GB card, and where the host cannot
+# hold the raw experts and their residual blobs at once the systems run in two phases of one invocation. A point
 # costs about 240 s of setup and warm-ups per call plus about 50 s per dataset and repeat (dsv2, H200): one point per
 # call, REPORT_TIMEOUT_S=560. batch: experiment=batch on dsv2 (BATCH_SIZES,
 # default 1,4,16,32; BATCH_TOKENS per request, default 64; BATCH_DATASET, default gsm8k; BATCH_ARGS, more
