@@ -1,15 +1,17 @@
 """The contract every compared system follows: available() and generate(input_ids, max_new_tokens)."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from specter.metrics import GenerationResult
 
 
+@runtime_checkable
 class System(Protocol):
-    """A decoding system under comparison (Specter itself, a reference, or a baseline)."""
+    """A decoding system under comparison (Specter itself, a reference, or a baseline); the harness checks every
+    system it builds against it (`experiments.systems.build_system`)."""
 
     name: str
 

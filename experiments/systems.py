@@ -7,6 +7,7 @@ from pathlib import Path
 import hydra.utils
 from omegaconf import OmegaConf
 
+from baselines.base import System
 from baselines.target_only import TargetOnly
 from experiments.settings import specter_options
 from specter.config import PAPER_DESIGN, SpecterConfig
@@ -41,6 +42,9 @@ def build_system(name: str, model: HybridMoEModel, config: SpecterConfig, keep_r
     factory = hydra.utils.instantiate(options, _partial_=True)
     extra = {} if keep_raw else {"keep_raw_experts": False}  # only make_specter's runs get here
     system = factory(model=model, specter_config=config, **extra)
+    if not isinstance(system, System):
+        raise SpecterError(f"conf/system/{name}.yaml builds a {type(system).__name__}, which lacks the System "
+                           f"contract (name, available(), generate(); baselines.base.System)")
     system.name = name  # rows are labelled by the option file (ablations share a class)
     return system
 

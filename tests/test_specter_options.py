@@ -162,3 +162,11 @@ def test_every_config_default_named_in_the_source_is_a_specter_config_field():
     assert len(named) >= 5  # the scan finds the readers
     missing = sorted((path, name) for path, name in named if name not in SpecterConfig.__dataclass_fields__)
     assert not missing, missing
+
+
+def test_a_system_file_that_builds_no_system_is_one_line(tmp_path, monkeypatch):
+    """The harness checks what a system file builds against baselines.base.System."""
+    monkeypatch.setattr(systems_module, "SYSTEM_CONF", tmp_path)
+    (tmp_path / "odd.yaml").write_text("_target_: builtins.dict\n")
+    with pytest.raises(SpecterError, match="conf/system/odd.yaml builds a dict, which lacks the System contract"):
+        build_system("odd", tiny_model("tiny"), SpecterConfig(resident_experts_per_layer=2))
