@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from specter.config import SpecterConfig
-from specter.draft.ahead import draft_ahead_problem
 from specter.offload.residual_store import residual_dtype_problem
 
 MECHANISMS = ("prefetch", "expert_wise", "cuda_graph", "draft_compile", "draft_ahead", "residual_transfer",
@@ -66,6 +65,16 @@ def as_run(mechanisms: dict[str, str], graph_status: str) -> dict[str, str]:
 
 def off_if(problem: str) -> str:
     return f"off: {problem}" if problem else "on"
+
+
+def draft_ahead_problem(config, model) -> str:
+    """Why draft-ahead cannot run for this engine ("" when it can; it needs greedy decoding and a rotary that
+    does not sync the host in every step)."""
+    if not config.greedy:
+        return "sampling (draft-ahead is greedy only)"
+    if model.rope_on_host:
+        return f"the rotary picks its regime on the host in every step ({model.rope_on_host})"
+    return ""
 
 
 def side_stream_problem(device: torch.device) -> str:

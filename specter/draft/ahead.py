@@ -57,16 +57,6 @@ class Launched:
     window_k: Callable[[int], int]
 
 
-def draft_ahead_problem(config, model) -> str:
-    """Why draft-ahead cannot run for this engine ("" when it can; it needs greedy decoding and a rotary that
-    does not sync the host in every step)."""
-    if not config.greedy:
-        return "sampling (draft-ahead is greedy only)"
-    if model.rope_on_host:
-        return f"the rotary picks its regime on the host in every step ({model.rope_on_host})"
-    return ""
-
-
 class DraftAhead:
     """The draft's own KV cache (static, with its own captured step, where the engine's is), its side stream
     and the drafts of the window being verified."""
