@@ -13,7 +13,6 @@ Prints a table and writes draft_step.csv. `--position` starts chains there too (
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import specter  # noqa: E402
+from benchmarks.bench_kernel import median_ms  # noqa: E402
 from specter.draft.graph import DraftStepGraph, rollback  # noqa: E402
 from specter.hooks import attributes_set  # noqa: E402
 from specter.kernels.moe_align import MoEWorkspace  # noqa: E402
@@ -34,19 +34,6 @@ from specter.speculative.state import new_static_cache  # noqa: E402
 
 PROMPT_TOKENS = 16
 CHAIN = 8
-
-
-def timed_ms(step, reps: int) -> float:
-    """Median ms of `step()` between an event recorded before its first launch and one after its last."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def prompt_cache(model, prompt: torch.Tensor, length: int):
@@ -85,9 +72,9 @@ def measure(model, name: str, position: int, reps: int) -> dict:
     plain_tokens, compiled_tokens = chain(plain.step, token, CHAIN), chain(compiled.step, token, CHAIN)
     for graph in (plain, compiled):
         rollback(graph.cache, elb, position)
-    eager_ms = timed_ms(lambda: (eager(token), rollback(caches[0], elb, position)), reps)
-    plain_ms = timed_ms(lambda: plain.step(token), reps)
-    compiled_ms = timed_ms(lambda: compiled.step(token), reps)
+    eager_ms = median_ms(lambda: (eager(token), rollback(caches[0], elb, position)), 0, reps, cuda=True)
+    plain_ms = median_ms(lambda: plain.step(token), 0, reps, cuda=True)
+    compiled_ms = median_ms(lambda: compiled.step(token), 0, reps, cuda=True)
     return {"model": name, "layers": model.hf.config.num_hidden_layers, "position": position,
             "longrope": "yes" if rope_switch(model.hf.config) else "no",
             "eager_ms": round(eager_ms, 3), "graph_ms": round(plain_ms, 3), "default_ms": round(compiled_ms, 3),

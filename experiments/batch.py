@@ -10,7 +10,8 @@ from tqdm import tqdm
 from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts
 from experiments.records import SUMMARY_KEYS, RecordWriter, record, unavailable
-from experiments.settings import header, keep_raw_experts, load
+from experiments.run_model import keep_raw_experts, load
+from experiments.settings import header
 from experiments.systems import build_system
 from specter.metrics import GenerationResult
 

@@ -16,15 +16,8 @@ from experiments.datasets import prompts_for
 from experiments.protocol import encode_prompts, run_cases
 from experiments.records import SUMMARY_KEYS
 from experiments.routing import run_routing
-from experiments.settings import (
-    header,
-    keep_raw_experts,
-    load,
-    load_run,
-    reads_raw_experts,
-    specter_config,
-    workload,
-)
+from experiments.run_model import keep_raw_experts, load, load_run, reads_raw_experts
+from experiments.settings import header, specter_config, workload
 from experiments.systems import build_system
 from specter.errors import SpecterError
 

@@ -24,7 +24,8 @@ from experiments.link import RunLink, pinned_sources
 from experiments.machine import busy_warning, load_note, machine_state, peak_memory
 from experiments.override_keys import check_override_keys
 from experiments.run_dirs import SWEEP_FUNCTIONS, SWEPT_KEYS_VARIABLE, results_dir, swept_keys
-from experiments.settings import check_run_settings, earlier_invocations, expert_placement, invocation, write_run_json
+from experiments.run_model import expert_placement
+from experiments.settings import check_run_settings, earlier_invocations, invocation, write_run_json
 from experiments.usage import usage
 from specter.errors import SpecterError
 from specter.models.loading import checkpoint_architecture

@@ -14,7 +14,8 @@ from experiments.locality import REAL_NAMES, locality_curves, reference_curves
 from experiments.protocol import encode_prompts, warm_up
 from experiments.records import SUMMARY_KEYS, record, unavailable
 from experiments.routing_trace import committed_routing, topk_recall
-from experiments.settings import header, load
+from experiments.run_model import load
+from experiments.settings import header
 from experiments.systems import build_system
 
 

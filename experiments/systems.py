@@ -34,7 +34,7 @@ def build_system(name: str, model: HybridMoEModel, config: SpecterConfig, keep_r
     """The system named `name`, built on `model` with the run's Specter config (memory budget, K, the
     `specter` group's options) and, on top of it, the option file's own `specter:` block (an ablation's
     difference, e.g. `specter: {prefetch: false}`): the factory is called with the resulting config.
-    `keep_raw=False` (every system of the run is Specter with residual transfer: settings.keep_raw_experts) lets the
+    `keep_raw=False` (every system of the run is Specter with residual transfer: run_model.keep_raw_experts) lets the
     host's raw experts go once encoded."""
     options = system_options(name)
     overrides = specter_options(options.pop("specter", None), f"conf/system/{name}.yaml: ")

@@ -116,7 +116,7 @@ def test_the_host_check_counts_a_layer_of_blobs_where_the_raw_experts_go_as_enco
 
 
 def test_the_harness_lets_the_raw_experts_go_only_when_every_system_reads_blobs():
-    from experiments.settings import keep_raw_experts
+    from experiments.run_model import keep_raw_experts
     config = specter.SpecterConfig(resident_experts_per_layer=3)
     assert not keep_raw_experts(["specter"], config)
     assert keep_raw_experts(["specter", "mo_sm"], config) and keep_raw_experts(["specter_paper"], config)
@@ -128,7 +128,7 @@ def test_a_host_that_cannot_hold_both_forms_measures_the_systems_one_after_anoth
     every case first, then the raw experts go as they are encoded and Specter (blobs) runs; Specter's tokens are
     still checked against target-only's (replayed from the blobs), and the header and run.json say so."""
     import pandas as pd
-    import experiments.settings as settings
+    import experiments.run_model as settings
     monkeypatch.setattr(settings, "available_host_bytes", lambda: 1)  # both forms never fit: phases
     monkeypatch.chdir(tmp_path)
     out = run(compose_with("systems=[specter,target_only,mo_sm]", "dtype=bfloat16", "num_prompts=1", "repeats=1",
