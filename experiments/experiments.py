@@ -36,9 +36,10 @@ def run_main(cfg, out_dir: Path, open_writer):
     for number, names in enumerate(phases):
         systems = [build_system(name, model, config, plan.keep_raw and number == 0) for name in names]
         writer = writer or open_writer(model)  # once the first systems are built: a bad name writes nothing
-        print(f"setup: model loaded in {loaded - start:.1f} s, systems built in {time.perf_counter() - loaded:.1f} s",
-              file=sys.stderr, flush=True)
-        replay = None if number == 0 or not references else \
+        built = f"systems built in {time.perf_counter() - loaded:.1f} s"
+        print(f"setup: model loaded in {loaded - start:.1f} s, {built}" if number == 0 else
+              f"phase {number + 1} ({'+'.join(names)}): {built}", file=sys.stderr, flush=True)
+        replay = None if number == 0 else \
             TargetOnly(model, config.resident_experts_per_layer, residual=True)  # target-only's replay, from blobs
         run_cases(systems, prompts, cfg.repeats, cfg.max_new_tokens, writer, cfg.strict,
                   tags={"k": config.k, "prefix_tokens": cfg.prefix_tokens}, token_caps=cfg.token_caps,

@@ -118,6 +118,9 @@ def _run_case(systems: list, key: dict, ids: torch.Tensor, case_tokens, writer: 
     case = tuple(sorted(key.items()))
     reference = results["target_only"].token_ids if "target_only" in results else None
     if references is not None:
+        if reference is None and case not in references and results and reference_target is not None:
+            with gc_paused():  # a resumed later phase: target-only's tokens replayed once (its rows hold no tokens)
+                reference = reference_target.generate(ids, case_tokens("target_only")).token_ids
         if reference is not None:
             references[case] = reference
         reference = references.get(case) if reference is None else reference

@@ -142,3 +142,24 @@ def test_a_host_that_cannot_hold_both_forms_measures_the_systems_one_after_anoth
     info = json.loads((out / "run.json").read_text())
     assert "measured one after another" in info["experts"]["raw"]
     assert "measured one after another, target_only+mo_sm then specter" in capsys.readouterr().out
+
+
+def test_a_phased_run_cut_after_its_first_phase_resumes_with_its_tokens_checked(tmp_path, monkeypatch):
+    """A run cut after its raw readers finished: resumed, it runs only the blob readers, whose tokens are checked
+    against target-only's replayed from the blobs (the earlier invocation's tokens are not in records.csv)."""
+    import pandas as pd
+    import experiments.run_model as settings
+    monkeypatch.setattr(settings, "available_host_bytes", lambda: 1)
+    monkeypatch.chdir(tmp_path)
+    args = ("systems=[specter,target_only,mo_sm]", "dtype=bfloat16", "num_prompts=1", "repeats=1",
+            "max_new_tokens=8", "device=cpu", "dataset=builtin", f"results_dir={tmp_path / 'run'}")
+    out = run(compose_with(*args))
+    rows = pd.read_csv(out / "records.csv")
+    rows[rows.system != "specter"].to_csv(out / "records.csv", index=False)  # as if cut during phase 2
+    info = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**info, "complete": False}))
+    run(compose_with(*args, "resume=true"))
+    resumed = pd.read_csv(out / "records.csv")
+    assert list(resumed.system) == ["target_only", "mo_sm", "specter"]
+    specter_row = resumed[resumed.system == "specter"].iloc[0]
+    assert specter_row.token_check == "equal" and specter_row.invocation == 1
