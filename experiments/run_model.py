@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from experiments.settings import ModelChoice, checkpoint_path, model_choice, specter_config
 from specter.config import SpecterConfig
 from specter.models.loading import checkpoint_spec, default_device, default_dtype, hf_config, load_model, with_layers
+from specter.offload.residual_store import residual_dtype_problem
 from specter.models.memory_check import available_host_bytes, check_host_memory, experts_placement, host_need
 
 SYSTEMS = Path(__file__).resolve().parent.parent / "conf" / "system"
@@ -51,6 +52,8 @@ def expert_placement(cfg) -> dict:
     on_host, why = experts_placement(spec, config, device, dtype)
     plan = host_plan(cfg, specter_config(cfg, choice.spec))
     raw = "kept" if plan.keep_raw else "let go as encoded: every system reads residual blobs"
+    if not plan.keep_raw and on_host and choice.synthetic and not residual_dtype_problem(dtype):
+        raw = "never held: each layer is encoded on the GPU as it is built (every system reads residual blobs)"
     if plan.phased:
         raw = ("kept for the systems that read them, then let go as encoded for those that read residual blobs: "
                "measured one after another (the host cannot hold both)")
@@ -94,9 +97,12 @@ def load_run(cfg) -> tuple:
     config = specter_config(cfg, choice.spec)
     plan = host_plan(cfg, config)
     if config.resident_experts_per_layer is not None:
-        spec, hf, dtype, _ = run_model(cfg, choice)
-        check_host_memory(spec, hf, dtype, config.residual_transfer, plan.keep_raw and not plan.phased)
+        spec, hf, dtype, device = run_model(cfg, choice)
+        encoded = not (plan.keep_raw or residual_dtype_problem(dtype)) and choice.synthetic and \
+            experts_placement(spec, hf, device, dtype)[0]
+        check_host_memory(spec, hf, dtype, config.residual_transfer, plan.keep_raw and not plan.phased,
+                          encoded=encoded)
     model = load_model(choice.source, device=choice.device, dtype=choice.dtype, seed=config.seed,
                        draft=choice.draft, weights=choice.weights if choice.synthetic else None,
-                       num_layers=choice.layers, tokenizer=choice.tokenizer)
+                       num_layers=choice.layers, tokenizer=choice.tokenizer, keep_raw_experts=plan.keep_raw)
     return model, config, plan

@@ -99,7 +99,7 @@ def generate(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SpecterError("--device cuda: no CUDA device is available here (use --device cpu)")
     device = None if args.device == "auto" else args.device
-    model = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
+    model = load_model(args.model, device=device, dtype=DTYPES[args.dtype], keep_raw_experts=False)  # Specter alone
     k = model.spec.default_k if args.k is None else args.k
     config = SpecterConfig(k=k, resident_experts_per_layer=resident_slots(model, args.mem))
     engine = SpecterEngine(model, config, keep_raw_experts=False)  # Specter alone: the host keeps the blobs only

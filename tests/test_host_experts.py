@@ -163,3 +163,43 @@ def test_a_phased_run_cut_after_its_first_phase_resumes_with_its_tokens_checked(
     assert list(resumed.system) == ["target_only", "mo_sm", "specter"]
     specter_row = resumed[resumed.system == "specter"].iloc[0]
     assert specter_row.token_check == "equal" and specter_row.invocation == 1
+
+
+def test_a_host_build_for_specter_alone_never_holds_the_raw_experts(monkeypatch):
+    """load_model(keep_raw_experts=False) with experts on the host: each layer is encoded on the device as it is
+    built, so the host store never takes a raw layer and the build's live bytes peak well below the raw-keeping
+    build's; Specter's tokens equal those of the same build keeping its raw experts; the host and build checks
+    count the blobs alone."""
+    import specter.offload.residual_store as residual_store
+    from specter.offload.host_store import HostExpertStore
+    ids = torch.tensor([[256, *b"Natalia sold clips"]])
+    config = specter.SpecterConfig(resident_experts_per_layer=3)
+    build = dict(device="cpu", dtype=torch.bfloat16, experts_on_host=True, num_layers=12)
+    with LiveBytes() as raw_build:
+        kept = specter.load_model("tiny-qwen", **build)
+    expected = specter.SpecterEngine(kept, config).generate(ids, 16).token_ids
+    raw_bytes = kept.host_store.total_bytes
+    float32 = specter.load_model("tiny-qwen", device="cpu", dtype=torch.float32, experts_on_host=True,
+                                 keep_raw_experts=False)
+    assert float32.residual_store is None and float32.host_store.holds_raw  # no residual transfer: raw kept
+    monkeypatch.setattr(residual_store, "ENCODE_WORK_BYTES", raw_bytes // 48)  # a bounded encode, as at full size
+
+    def no_raw(*args):
+        raise AssertionError("a raw layer went to the host store")
+
+    monkeypatch.setattr(HostExpertStore, "put_layer", no_raw)
+    with LiveBytes() as encoded_build:
+        model = specter.load_model("tiny-qwen", **build, keep_raw_experts=False)
+    assert all(buffer is None for buffer in model.host_store.buffers) and not model.host_store.holds_raw
+    assert model.residual_store is not None
+    assert encoded_build.peak < raw_build.peak - 0.25 * raw_bytes  # blobs (about 0.6 of raw) and one layer
+    engine = specter.SpecterEngine(model, config, keep_raw_experts=False)
+    assert "residual_transfer" in [m for m, state in engine.mechanisms.items() if state == "on"]
+    assert engine.generate(ids, 16).token_ids == expected
+    spec, hf = get_spec("mixtral"), hf_config(get_spec("mixtral"))
+    encoded = sum(host_need(spec, hf, torch.bfloat16, residual=True, keep_raw=False, encoded=True).values())
+    raw = host_need(spec, hf, torch.bfloat16, residual=False)["FP experts"]
+    assert encoded < 0.9 * raw
+    check_host_memory(spec, hf, torch.bfloat16, residual=True, keep_raw=False, encoded=True, host_free=int(0.9 * raw))
+    with pytest.raises(SpecterError, match="keeps about"):
+        check_host_memory(spec, hf, torch.bfloat16, residual=True, keep_raw=False, host_free=int(0.9 * raw))

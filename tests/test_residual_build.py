@@ -39,16 +39,9 @@ def test_the_encodes_temporaries_per_weight_are_what_the_bound_assumes():
 
 
 def test_chunks_are_sized_by_bytes():
-    class Store:  # the shape of a HostExpertStore
-        num_experts, hidden = 8, 4096
-
-        def __init__(self, intermediate):
-            self.intermediate = intermediate
-
-    dsv2_like, mixtral_like = Store(1408), Store(14336)
-    experts, weights = encode_chunk(dsv2_like, 4 * 2**30)
+    experts, weights = encode_chunk(8, 4096, 1408, 4 * 2**30)  # dsv2-like
     assert experts * 2 * 1408 * 4096 * ENCODE_BYTES_PER_WEIGHT <= 4 * 2**30 and experts >= 1
-    experts, weights = encode_chunk(mixtral_like, 4 * 2**30)
+    experts, weights = encode_chunk(8, 4096, 14336, 4 * 2**30)  # mixtral-like
     assert experts == 1 and weights * ENCODE_BYTES_PER_WEIGHT <= 4 * 2**30 < 2 * 14336 * 4096 * 96  # rows sliced
 
 

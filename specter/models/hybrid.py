@@ -29,6 +29,7 @@ class HybridMoEModel:
     experts: list[HybridExperts]
     quantizer: str = "rtn"
     host_store: Any = None  # the HostExpertStore once the FP experts live in host memory
+    residual_store: Any = None  # the ResidualExpertStore where the build encoded the experts (raw never kept)
     offload: Any = None  # the OffloadRuntime (cache + residency manager) serving them
     rope_on_host: str = ""  # why the rotary still picks its regime on the host ("": on the device, or no longrope)
 

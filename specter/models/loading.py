@@ -17,6 +17,7 @@ from specter.models.memory_check import check_build_memory, experts_placement
 from specter.models.registry import ARCHITECTURES, REGISTRY, ModelSpec, get_spec, spec_for_model_type
 from specter.models.tokenizer import ByteTokenizer
 from specter.quant.draft_io import load_draft
+from specter.offload.residual_store import residual_dtype_problem
 
 WEIGHTS = ("checkpoint", "synthetic", "calibrated")
 DOWNLOAD_HINT = "run `python initialization/download_models.py --manifest initialization/model-assets.json --output DIR`"
@@ -223,6 +224,7 @@ def load_model(
     weights: str | None = None,
     num_layers: int | None = None,
     tokenizer: str = "auto",
+    keep_raw_experts: bool = True,
 ) -> HybridMoEModel:
     """A shared-instance hybrid model.
 
@@ -244,9 +246,14 @@ def load_model(
       checkpoints), and bfloat16 for synthetic builds. float16 only when passed.
     tokenizer: "auto" = the checkpoint's own (a checkpoint without a usable one is an error); "byte" =
       byte-level ids (what synthetic builds use).
+    keep_raw_experts: False: experts built or loaded into the host store are encoded to residual blobs layer by
+      layer as they come, against the RTN draft, and the host never holds them raw (16-bit experts, no `draft`
+      directory; elsewhere they are kept raw): only Specter with residual transfer serves such a model.
     """
     synthetic, calibrated = weights_choice(synthetic, weights)
-    model = _load(name_or_path, synthetic, device, dtype, seed, experts_on_host, calibrated, num_layers, tokenizer)
+    keep_raw = keep_raw_experts or draft is not None  # blobs are encoded against the draft the model keeps
+    model = _load(name_or_path, synthetic, device, dtype, seed, experts_on_host, calibrated, num_layers, tokenizer,
+                  keep_raw)
     if draft is not None:
         load_draft(model, draft)
     return model
@@ -264,7 +271,7 @@ def weights_choice(synthetic: bool | None, weights: str | None) -> tuple[bool | 
 
 
 def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bool, calibrated: bool = False,
-          num_layers: int | None = None, tokenizer: str = "auto") -> HybridMoEModel:
+          num_layers: int | None = None, tokenizer: str = "auto", keep_raw: bool = True) -> HybridMoEModel:
     device = torch.device(device) if device is not None else default_device()
     name = str(name_or_path)
     if name in REGISTRY or (synthetic and not Path(name).exists()):
@@ -279,9 +286,10 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
                 routing_profile(spec)  # fail before building
             if experts_on_host is None:
                 experts_on_host = experts_placement(spec, hf_config(spec), device, dtype)[0]
-            check_build_memory(spec, hf_config(spec), device, dtype, experts_on_host)
+            encoded = experts_on_host and not keep_raw and not residual_dtype_problem(dtype)
+            check_build_memory(spec, hf_config(spec), device, dtype, experts_on_host, encoded=encoded)
             if experts_on_host:
-                return build_synthetic_on_host(spec, hf_config(spec), words, device, dtype, seed, calibrated)
+                return build_synthetic_on_host(spec, hf_config(spec), words, device, dtype, seed, calibrated, keep_raw)
             return hybridize(build_synthetic(spec, device, dtype, seed, calibrated), spec, words)
         path = checkpoint_dir(spec)
         if not path.exists():
@@ -299,6 +307,6 @@ def _load(name_or_path, synthetic, device, dtype, seed: int, experts_on_host: bo
         experts_on_host = checkpoint_placement(path, device, dtype)[0]
     if experts_on_host:
         model, words, spec = load_checkpoint(path, torch.device("cpu"), dtype, tokenizer, runs_on=device)
-        return hybridize_to_host(model, spec, words, device)
+        return hybridize_to_host(model, spec, words, device, keep_raw)
     model, words, spec = load_checkpoint(path, device, dtype, tokenizer)
     return hybridize(model, spec, words)

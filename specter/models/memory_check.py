@@ -25,11 +25,14 @@ class BuildNeed:
 
 
 def build_need(spec: ModelSpec, config: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype,
-               experts_on_host: bool) -> BuildNeed:
+               experts_on_host: bool, encoded: bool = False) -> BuildNeed:
     """What building `spec` on `device` in `dtype` takes: every weight plus the INT4 draft, split between
-    host and GPU as the build places them (experts_on_host: FP experts in host memory, the rest on the GPU)."""
+    host and GPU as the build places them (experts_on_host: FP experts in host memory, the rest on the GPU;
+    `encoded`: the host holds their residual blobs instead)."""
     plan = plan_memory(spec, config, dtype, kv_tokens=0, workspace_gb=0.0)
     experts = plan.expert_bytes * plan.num_moe_layers * plan.num_experts
+    if experts_on_host and encoded:
+        experts = int(RESIDUAL_BLOB_FRACTION * experts)
     rest = plan.non_expert_bytes + plan.draft_bytes
     per_layer = (experts + rest) // max(config.num_hidden_layers, 1)
     if torch.device(device).type != "cuda":
@@ -59,14 +62,17 @@ RESIDUAL_BLOB_FRACTION = 0.75
 
 
 def host_need(spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype,
-              residual: bool, keep_raw: bool = True) -> dict[str, int]:
+              residual: bool, keep_raw: bool = True, encoded: bool = False) -> dict[str, int]:
     """Bytes an offloaded run keeps in host memory at its peak, by part: the FP experts, their residual blobs
     (`residual`: residual transfer on; without `keep_raw` the raw layers go as they are encoded, so the peak
-    holds the raw experts and one layer's blobs), and the staging, temporaries and process around them."""
+    holds the raw experts and one layer's blobs; `encoded`: the build encodes each layer before it reaches the
+    host, which holds the blobs alone), and the staging, temporaries and process around them."""
     plan = plan_memory(spec, config, dtype, kv_tokens=0, workspace_gb=0.0)
     experts = plan.expert_bytes * plan.num_moe_layers * plan.num_experts
     need = {"FP experts": experts}
-    if residual and keep_raw:
+    if residual and encoded and not keep_raw:
+        need = {"residual blobs": int(RESIDUAL_BLOB_FRACTION * experts)}
+    elif residual and keep_raw:
         need["residual blobs"] = int(RESIDUAL_BLOB_FRACTION * experts)
     elif residual:
         need["a layer's residual blobs"] = int(RESIDUAL_BLOB_FRACTION * experts / plan.num_moe_layers)
@@ -75,12 +81,12 @@ def host_need(spec: ModelSpec, config: transformers.PretrainedConfig, dtype: tor
 
 
 def check_host_memory(spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype, residual: bool,
-                      keep_raw: bool = True, host_free: int | None = None) -> None:
+                      keep_raw: bool = True, host_free: int | None = None, encoded: bool = False) -> None:
     """One-line SpecterError, before anything loads, when what an offloaded run keeps on the host does not fit the
     host's available memory: what is needed, by part, and what is free."""
     if os.environ.get(SKIP_ENV) == "1":
         return
-    parts = host_need(spec, config, dtype, residual, keep_raw)
+    parts = host_need(spec, config, dtype, residual, keep_raw, encoded)
     free = available_host_bytes() if host_free is None else host_free
     if free is None or sum(parts.values()) <= free:
         return
@@ -113,11 +119,11 @@ def available_gpu_bytes(device: torch.device) -> int | None:
 
 def check_build_memory(spec: ModelSpec, config: transformers.PretrainedConfig, device: torch.device,
                        dtype: torch.dtype, experts_on_host: bool, host_free: int | None = None,
-                       gpu_free: int | None = None) -> None:
+                       gpu_free: int | None = None, encoded: bool = False) -> None:
     """Raise a one-line SpecterError naming the need and the ways out when the build cannot fit."""
     if os.environ.get(SKIP_ENV) == "1":
         return
-    need = build_need(spec, config, device, dtype, experts_on_host)
+    need = build_need(spec, config, device, dtype, experts_on_host, encoded)
     host_free = available_host_bytes() if host_free is None else host_free
     gpu_free = available_gpu_bytes(device) if gpu_free is None else gpu_free
     what = f"{spec.name} ({config.num_hidden_layers} layers, {str(dtype).removeprefix('torch.')}) on {device}"

@@ -25,18 +25,22 @@ ENCODE_BYTES_PER_WEIGHT = 96
 ENCODE_WORK_BYTES = 4 * 2**30
 
 
-def encode_chunk(store: HostExpertStore, work_bytes: int) -> tuple[int, int]:
+def encode_chunk(num_experts: int, hidden: int, intermediate: int, work_bytes: int) -> tuple[int, int]:
     """(experts per encode, weights per encode) so that an encode's temporaries stay within `work_bytes`."""
     max_weights = max(1, work_bytes // ENCODE_BYTES_PER_WEIGHT)
-    largest = 2 * store.intermediate * store.hidden  # gate_up, the larger linear
-    return max(1, min(store.num_experts, max_weights // largest)), max_weights
+    largest = 2 * intermediate * hidden  # gate_up, the larger linear
+    return max(1, min(num_experts, max_weights // largest)), max_weights
+
+
+def kernel_check_picks(num_layers: int, num_experts: int) -> tuple[tuple[int, int], ...]:
+    """The (layer, expert) pairs `check_kernel` rebuilds: the first layer's first and the last layer's last."""
+    return (0, 0), (num_layers - 1, num_experts - 1)
 
 
 def kernel_check_experts(store: HostExpertStore) -> dict[tuple[int, int], torch.Tensor]:
-    """(layer, expert) -> its raw flat weights, for the experts `check_kernel` rebuilds: the first layer's first
-    and the last layer's last, copied now (the store may release its layers while the build runs)."""
-    picked = ((0, 0), (store.num_layers - 1, store.num_experts - 1))
-    return {key: store.expert(*key).clone() for key in picked}
+    """(layer, expert) -> its raw flat weights, for the experts `check_kernel` rebuilds, copied now (the store may
+    release its layers while the build runs)."""
+    return {key: store.expert(*key).clone() for key in kernel_check_picks(store.num_layers, store.num_experts)}
 
 
 def residual_dtype_problem(dtype: torch.dtype) -> str:
@@ -68,35 +72,16 @@ class ResidualExpertStore:
     @classmethod
     def build(cls, store: HostExpertStore, experts: list, release_raw: bool = False) -> ResidualExpertStore:
         """Encode every expert of `store` against its layer's draft (`experts`: the model's HybridExperts, in
-        order), on the drafts' device, a chunk of bounded bytes at a time; blobs pinned when that device is a
-        GPU. With `release_raw` each layer's raw experts leave the store once encoded (host memory peaks at the
-        raw experts plus a layer's blobs, then holds the blobs only)."""
-        if residual_dtype_problem(store.dtype):
-            raise SpecterError(residual_dtype_problem(store.dtype))
-        layout = expert_layout(store.hidden, store.intermediate, experts[0].group_size)
-        drafts = [(module.draft_gate_up, module.draft_down) for module in experts]
-        device = drafts[0][0].qweight.device
-        buffers, offsets = [], []
-        experts_per_encode, max_weights = encode_chunk(store, ENCODE_WORK_BYTES)
-        kernel = TRITON_AVAILABLE and device.type == "cuda"
-        checked = kernel_check_experts(store) if kernel else {}  # copied: the raw layers may go before the check
-        for layer, layer_drafts in enumerate(drafts):
+        order), on the drafts' device (`ResidualLayers`). With `release_raw` each layer's raw experts leave the
+        store once encoded (host memory peaks at the raw experts plus a layer's blobs, then holds the blobs only)."""
+        layers = ResidualLayers(store.num_layers, store.num_experts, store.hidden, store.intermediate, store.dtype)
+        for layer, module in enumerate(experts):
             gate_up, down = store.layer_weights(layer)  # [E, 2I, H], [E, H, I]
-            blobs = []
-            for first in range(0, store.num_experts, experts_per_encode):
-                chunk = slice(first, min(first + experts_per_encode, store.num_experts))
-                chunk_drafts = [Int4Linear(d.qweight[chunk], d.scales[chunk], d.group_size) for d in layer_drafts]
-                weights = [gate_up[chunk].to(device), down[chunk].to(device)]
-                blobs += [blob.cpu() for blob in encode_experts(weights, chunk_drafts, max_weights)]
-            sizes = [blob.numel() for blob in blobs]
-            offsets.append([sum(sizes[:e]) for e in range(len(sizes) + 1)])
-            buffers.append(pin(torch.cat(blobs), device))
-            del gate_up, down, weights
+            layers.add(gate_up, down, (module.draft_gate_up, module.draft_down))
+            del gate_up, down
             if release_raw:
                 store.release_layer(layer)
-        residuals = cls(layout, store.dtype, drafts, buffers, offsets)
-        residuals.check_kernel(checked)
-        return residuals
+        return layers.finish()
 
     def check_kernel(self, expected: dict[tuple[int, int], torch.Tensor]) -> None:
         """Raise SpecterError unless the Triton decode rebuilds each (layer, expert) of `expected` (its raw flat
@@ -150,3 +135,51 @@ class ResidualExpertStore:
         """Several of the layer's experts in one launch (`specter.kernels.residual_decode.decode_experts`:
         items [n, 4] on the device, blobs in `staging`, outputs in `pool`)."""
         launcher.group(self.layer_operands[layer], staging, pool, items)
+
+
+class ResidualLayers:
+    """A residual store built one MoE layer at a time, in order, from each layer's experts as they come: a host
+    store's layers, or a build's layers on the device before they would reach the host (then the raw experts are
+    never all held at once). Each encode's temporaries stay within ENCODE_WORK_BYTES whatever the expert size:
+    several experts per encode where they are small, slices of one expert's rows where one linear alone is
+    larger (phi, mixtral); blobs pinned when the drafts are on a GPU."""
+
+    def __init__(self, num_layers: int, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+        if residual_dtype_problem(dtype):
+            raise SpecterError(residual_dtype_problem(dtype))
+        self.num_layers, self.num_experts, self.hidden, self.intermediate = num_layers, num_experts, hidden, intermediate
+        self.dtype, self.layout = dtype, None  # the layout follows the drafts' quantization group (first `add`)
+        self.experts_per_encode, self.max_weights = encode_chunk(num_experts, hidden, intermediate, ENCODE_WORK_BYTES)
+        self.drafts: list[tuple[Int4Linear, Int4Linear]] = []
+        self.buffers: list[torch.Tensor] = []
+        self.offsets: list[list[int]] = []
+        self.checked: dict[tuple[int, int], torch.Tensor] = {}  # raw experts the kernel must rebuild, on the CPU
+
+    def add(self, gate_up: torch.Tensor, down: torch.Tensor, drafts: tuple[Int4Linear, Int4Linear]) -> None:
+        """The next layer: its experts gate_up [E, 2I, H] and down [E, H, I] (any device) and its INT4 drafts."""
+        layer, device = len(self.buffers), drafts[0].qweight.device
+        self.layout = self.layout or expert_layout(self.hidden, self.intermediate, drafts[0].group_size)
+        if TRITON_AVAILABLE and device.type == "cuda":
+            for picked, expert in kernel_check_picks(self.num_layers, self.num_experts):
+                if picked == layer:
+                    self.checked[(layer, expert)] = torch.cat([gate_up[expert].reshape(-1),
+                                                               down[expert].reshape(-1)]).cpu()  # [3*I*H]
+        blobs = []
+        for first in range(0, self.num_experts, self.experts_per_encode):
+            chunk = slice(first, min(first + self.experts_per_encode, self.num_experts))
+            chunk_drafts = [Int4Linear(d.qweight[chunk], d.scales[chunk], d.group_size) for d in drafts]
+            weights = [gate_up[chunk].to(device), down[chunk].to(device)]
+            blobs += [blob.cpu() for blob in encode_experts(weights, chunk_drafts, self.max_weights)]
+            del weights
+        sizes = [blob.numel() for blob in blobs]
+        self.offsets.append([sum(sizes[:e]) for e in range(len(sizes) + 1)])
+        self.buffers.append(pin(torch.cat(blobs), device))
+        self.drafts.append(drafts)
+
+    def finish(self) -> ResidualExpertStore:
+        """The store of every layer added, its decode kernel checked bit for bit on this GPU."""
+        if len(self.buffers) != self.num_layers:
+            raise SpecterError(f"the residual store has {len(self.buffers)} of its {self.num_layers} layers")
+        residuals = ResidualExpertStore(self.layout, self.dtype, self.drafts, self.buffers, self.offsets)
+        residuals.check_kernel(self.checked)
+        return residuals

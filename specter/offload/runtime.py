@@ -146,7 +146,7 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
     runtime, coded = model.offload, coded and residual
     if model.host_store is None:
         model.host_store = move_experts_to_store(model)
-    residuals = None if runtime is None else runtime.residuals
+    residuals = model.residual_store if runtime is None else runtime.residuals  # built once (at load, or here)
     if residual and residuals is None:
         residuals = ResidualExpertStore.build(model.host_store, model.experts, release_raw=not keep_raw)
     scratch = 0
