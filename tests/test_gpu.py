@@ -100,6 +100,20 @@ def test_residual_transfer_on_cuda_gives_the_raw_copies_tokens(name, dtype):
     assert model.offload.residuals.buffers[0].is_pinned() and model.offload.residuals.use_kernel
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen", "tiny-phi"])
+def test_a_host_build_encoded_as_it_goes_gives_the_raw_builds_tokens_on_cuda(name):
+    """keep_raw_experts=False on a host build: every layer encoded on the GPU as it is built (the decode kernel
+    checked bit for bit on the experts it kept for that), no raw layer on the host, the raw build's tokens."""
+    build = dict(device="cuda", dtype=torch.bfloat16, experts_on_host=True)
+    config = specter.SpecterConfig(k=4, resident_experts_per_layer=2)
+    expected = specter.SpecterEngine(specter.load_model(name, **build), config).generate(prompt(), 32).token_ids
+    model = specter.load_model(name, **build, keep_raw_experts=False)
+    assert not model.host_store.holds_raw and model.residual_store.use_kernel
+    assert model.residual_store.buffers[0].is_pinned()
+    out = specter.SpecterEngine(model, config, keep_raw_experts=False).generate(prompt(), 32)
+    assert out.token_ids == expected and out.stats["residual_decodes"] > 0
+
+
 def test_large_host_buffers_are_registered_in_place_and_copy_asynchronously():
     from specter.offload.pinned import REGISTER_MIN_BYTES, pin
 
