@@ -12,7 +12,7 @@ from specter.errors import SpecterError
 from specter.inputs import check_batch, check_prompt, is_batch
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.budget import MemoryPlan, plan_memory
+from specter.device.budget import MemoryPlan, plan_memory
 
 OFFLOADED = ("cpu", "disk")
 

@@ -26,7 +26,7 @@ from specter.errors import SpecterError
 from specter.inputs import check_prompt
 from specter.metrics import GenerationResult, tpot_ms
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.budget import kv_bytes_per_token, plan_memory
+from specter.device.budget import kv_bytes_per_token, plan_memory
 
 INSTALL_HINT = ('pip install -e ".[llamacpp]" (portable CPU build: CMAKE_ARGS=-DGGML_NATIVE=off; '
                 'NVIDIA GPU: CMAKE_ARGS=-DGGML_CUDA=on), or scripts/setup_llamacpp.sh')

@@ -14,7 +14,7 @@ from specter.inputs import check_prompt, is_batch
 from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
 from specter.metrics import GenerationResult, h2d_split
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.budget import MemoryPlan, plan_memory, specter_slots
+from specter.device.budget import MemoryPlan, plan_memory, specter_slots
 from specter.offload.host_store import HostExpertStore
 from specter.offload.runtime import move_experts_to_store
 from specter.offload.streams import DeviceStreams

@@ -17,7 +17,7 @@ from specter.errors import SpecterError
 from specter.inputs import check_prompt
 from specter.metrics import GenerationResult, tpot_ms
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.budget import GB, plan_memory
+from specter.device.budget import GB, plan_memory
 
 VLLM_VERSION = "0.32.0"
 VLLM_MAX_MODEL_LEN = 2048  # positions vLLM plans its KV for (capped by the model's own)

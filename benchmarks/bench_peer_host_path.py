@@ -26,7 +26,7 @@ from benchmarks.row_log import RowLog  # noqa: E402
 from specter.kernels.moe_align import MoEWorkspace  # noqa: E402
 from specter.models.loading import hf_config  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
-from specter.offload.budget import plan_memory  # noqa: E402
+from specter.device.budget import plan_memory  # noqa: E402
 from specter.offload.eviction import LRUPolicy, RoutingCounts  # noqa: E402
 from specter.offload.expert_cache import ExpertCache  # noqa: E402
 from specter.offload.host_store import HostExpertStore  # noqa: E402

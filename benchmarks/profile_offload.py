@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import specter  # noqa: E402
 from specter.offload.runtime import offload_experts  # noqa: E402
-from specter.offload.trace_overlap import overlap_report, read_trace  # noqa: E402
+from specter.device.trace_overlap import overlap_report, read_trace  # noqa: E402
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 STATS = ("tpot_ms", "draft_ms", "verify_ms", "wait_ms", "generated_tokens", "hit_rate", "decode_h2d_bytes_per_token")

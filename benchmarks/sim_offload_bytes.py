@@ -46,7 +46,7 @@ from specter.models.hybrid import hybridize  # noqa: E402
 from specter.models.loading import build_synthetic, hf_config  # noqa: E402
 from specter.models.registry import get_spec  # noqa: E402
 from specter.models.tokenizer import ByteTokenizer  # noqa: E402
-from specter.offload.budget import plan_memory  # noqa: E402
+from specter.device.budget import plan_memory  # noqa: E402
 from specter.offload.cache_counters import CAUSES  # noqa: E402
 from specter.quant.int4 import Int4Linear  # noqa: E402
 from specter.quant.residual_expert import encode_experts  # noqa: E402

@@ -20,7 +20,7 @@ from specter.errors import SpecterError
 from specter.models.calibrated import routing_profile
 from specter.models.loading import WEIGHTS, check_architecture, checkpoint_dir, hf_config, with_layers
 from specter.models.registry import ModelSpec, get_spec
-from specter.offload.budget import plan_memory
+from specter.device.budget import plan_memory
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

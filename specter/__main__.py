@@ -12,7 +12,7 @@ from specter.config import SpecterConfig
 from specter.engine import SpecterEngine
 from specter.errors import SpecterError
 from specter.models.loading import check_model_source, load_model
-from specter.offload.budget import plan_memory
+from specter.device.budget import plan_memory
 from specter.text import check_request, generate_text, printable
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

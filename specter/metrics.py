@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from specter.offload.timeline import Timeline
+from specter.device.timeline import Timeline
 
 
 def format_row(row: dict) -> str:

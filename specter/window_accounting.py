@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specter.metrics import DecodeMetrics, h2d_split
-from specter.offload.trace_overlap import copy_idle_by_phase
+from specter.device.trace_overlap import copy_idle_by_phase
 from specter.prefetch.quality import PrefetchQuality
 from specter.token_time import request_token_time
 

@@ -22,7 +22,7 @@ from specter.config import SpecterConfig
 from specter.models.loading import hf_config
 from specter.models.registry import get_spec
 from specter.models.tokenizer import ByteTokenizer
-from specter.offload.budget import GB, plan_memory
+from specter.device.budget import GB, plan_memory
 from tests.conftest import prompt, tiny_model
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None

@@ -21,7 +21,7 @@ from baselines.target_only import TargetOnly
 from specter.kernels.reference import expert_wise_moe
 from specter.models.loading import hf_config
 from specter.models.registry import get_spec
-from specter.offload.budget import MemoryPlan, plan_memory
+from specter.device.budget import MemoryPlan, plan_memory
 from specter.offload.host_store import HostExpertStore
 from tests.conftest import prompt, tiny_model
 

@@ -12,7 +12,7 @@ from experiments.systems import build_system
 from specter.metrics import DecodeMetrics
 from specter.models.loading import hf_config
 from specter.models.registry import get_spec
-from specter.offload.budget import MemoryPlan, plan_memory
+from specter.device.budget import MemoryPlan, plan_memory
 from tests.conftest import prompt, tiny_model
 
 NEW = 20

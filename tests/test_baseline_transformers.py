@@ -15,7 +15,7 @@ from baselines.hf_transformers import (
 )
 from baselines.target_only import TargetOnly
 from specter.errors import SpecterError
-from specter.offload.budget import plan_memory
+from specter.device.budget import plan_memory
 from tests.conftest import prompt, tiny_model
 
 NEW = 16

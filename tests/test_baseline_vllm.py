@@ -24,7 +24,7 @@ from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.models.loading import hf_config
 from specter.models.registry import get_spec
-from specter.offload.budget import GB, plan_memory
+from specter.device.budget import GB, plan_memory
 from tests.conftest import prompt, tiny_model
 
 NO_VENV = f"vLLM environment not found at {venv_dir()}; run scripts/setup_vllm_env.sh"

@@ -5,7 +5,7 @@ import torch
 from specter.errors import SpecterError
 from specter.models.loading import hf_config
 from specter.models.registry import get_spec
-from specter.offload.budget import GB, plan_memory
+from specter.device.budget import GB, plan_memory
 
 
 def test_dsv2_plan_matches_the_architecture():

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from specter.offload.trace_overlap import (
+from specter.device.trace_overlap import (
     complement,
     copy_gaps_by_cause,
     copy_idle_by_phase,

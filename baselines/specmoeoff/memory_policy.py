@@ -4,7 +4,7 @@ from __future__ import annotations
 from baselines.specmoeoff.engine import SpecMoEOff, SpecMoEOffConfig
 from specter.config import SpecterConfig
 from specter.models.hybrid import HybridMoEModel
-from specter.offload.budget import MemoryPlan, plan_memory, specter_slots
+from specter.device.budget import MemoryPlan, plan_memory, specter_slots
 
 
 def draft_copy_bytes(plan: MemoryPlan) -> int:

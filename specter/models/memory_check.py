@@ -9,7 +9,7 @@ import transformers
 
 from specter.errors import SpecterError
 from specter.models.registry import ModelSpec
-from specter.offload.budget import GB, plan_memory
+from specter.device.budget import GB, plan_memory
 
 MARGIN = 1.15  # allocator slack, quantization temporaries and the Python process itself
 SKIP_ENV = "SPECTER_SKIP_MEMORY_CHECK"  # =1: build anyway (e.g. with a large swap file)

@@ -5,7 +5,7 @@ import torch
 
 from specter.offload.host_reads import HostRead
 from specter.offload.streams import DeviceStreams
-from specter.offload.timeline import to_host
+from specter.device.timeline import to_host
 
 
 class ExpertLookaheadBuffer:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.offload.timeline import to_host
+from specter.device.timeline import to_host
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
