@@ -8,6 +8,7 @@ import pstats
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ from specter.offload.expert_cache import ExpertCache  # noqa: E402
 from specter.offload.host_store import HostExpertStore  # noqa: E402
 from specter.offload.runtime import SPARE_ROWS  # noqa: E402
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer  # noqa: E402
+from specter.speculative.window import draft_window  # noqa: E402
 from specter.verify.residency import ResidencyManager, VerifyOptions  # noqa: E402
 from specter.window_accounting import WindowAccounting  # noqa: E402
 
@@ -179,14 +181,15 @@ class SpecMoEOffPeer:
         self.accounting.begin_window()
         loads, routing_s = cache.counters.loads, 0.0
         t1 = clock()
-        self.prefetcher.begin_window(k)
-        for step in range(k):
+
+        def draft_step(step: int, previous) -> None:  # the draft's routing of position `step`, timed apart
+            nonlocal routing_s
             start = clock()
             for layer, top_k_index in enumerate(routes):
                 self.elb.observe(layer, top_k_index[step:step + 1])
             routing_s += clock() - start
-            self.prefetcher.after_draft_token(step + 1)
-        plan = self.prefetcher.end_window()
+
+        _, plan = draft_window(k, draft_step, self.prefetcher, nullcontext)
         t2 = clock()
         with self.manager.verifying(plan):
             outs = [self.manager(module, hidden, top_k_index, self.weights)

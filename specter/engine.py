@@ -33,6 +33,7 @@ from specter.prefetch.planner import (
 )
 from specter.speculative.sampling import next_token, seeded_generator
 from specter.speculative.state import StateManager, window_length
+from specter.speculative.window import draft_window, plan_drafted_window
 from specter.text import TextResult, generate_text
 from specter.verify.accept import verify_and_accept
 from specter.window_accounting import WindowAccounting
@@ -162,37 +163,31 @@ class SpecterEngine:
     def plan_ahead_window(self, k: int) -> WindowPlan | None:
         """A window whose drafts were made ahead: its routing is already in the counters, so the planner
         closes it at once (no draft steps left to hide prefetches behind)."""
-        self.planner.begin_window(k)
-        return self.planner.end_window() if k else None
+        return plan_drafted_window(self.planner, k)
 
     def draft(self, state: StateManager, k: int) -> tuple[torch.Tensor, torch.Tensor | None, WindowPlan | None]:
         """k draft tokens [k] (and their distributions [k, V] when sampling; tokens stay on the device) and the
         window's plan (None without prefetch or drafts).
 
         The draft router's choices go into the lookahead counters; the planner turns them into
-        prefetches at chunk boundaries.
+        prefetches at chunk boundaries (`specter.speculative.window.draft_window`).
         """
-        tokens, probs, plan = [], [], None
-        x = state.uncached()
         graph = self.graphs.graph(None, state.cache)
-        observing = self.model.observe_draft_routing(self.elb.observe) if k else nullcontext()
-        with state.draft_scratch(), observing:
-            self.planner.begin_window(k)
-            for i in range(k):
-                if graph is not None:
-                    token, p = graph.step_token(x)[:, 0], None  # [1]
-                else:
-                    logits = self.model.forward(x, state.cache, DRAFT)[0, -1]  # [V]
-                    token, p = next_token(logits, self.config, self.generator)
-                tokens.append(token)
-                probs.append(p)
-                x = token.view(1, 1)
-                self.planner.after_draft_token(i + 1)
-            if k:
-                plan = self.planner.end_window()
-        empty = torch.empty(0, dtype=torch.long, device=self.model.device)
-        drafted = torch.cat(tokens) if tokens else empty
-        return drafted, (torch.stack(probs) if probs and probs[0] is not None else None), plan
+
+        def step(i: int, previous) -> tuple[torch.Tensor, torch.Tensor | None]:
+            x = state.uncached() if previous is None else previous[0].view(1, 1)
+            if graph is not None:
+                return graph.step_token(x)[:, 0], None  # [1]
+            logits = self.model.forward(x, state.cache, DRAFT)[0, -1]  # [V]
+            return next_token(logits, self.config, self.generator)
+
+        with state.draft_scratch():
+            drafts, plan = draft_window(k, step, self.planner,
+                                        lambda: self.model.observe_draft_routing(self.elb.observe))
+        if not drafts:
+            return torch.empty(0, dtype=torch.long, device=self.model.device), None, plan
+        tokens, probs = zip(*drafts)
+        return torch.cat(tokens), (torch.stack(probs) if probs[0] is not None else None), plan
 
     def begin_request(self) -> None:
         """Same starting state for every request: cache emptied, counters cleared, generator seeded."""

@@ -25,6 +25,7 @@ from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import DEFAULT_H2D_BYTES_PER_MS, WindowPlan
 from specter.speculative.sampling import next_token, seeded_generator
 from specter.speculative.state import StateManager
+from specter.speculative.window import draft_window
 from specter.verify.accept import verify_and_accept
 from specter.verify.residency import VerifyOptions
 from specter.window_accounting import WindowAccounting
@@ -186,21 +187,23 @@ class SpecMoEOff:
 
         The first step feeds the draft's uncached committed tokens (1, or 2 after a fully accepted window).
         """
-        tokens, probs, step_ms, plan = [], [], None, None
-        x, start = state.uncached(), time.perf_counter()  # [1, u]
-        if k:
-            with self.draft_model.observe_draft_routing(self.elb.observe):
-                self.prefetcher.begin_window(k)
-                for i in range(k):
-                    token, p = self._draft_step(x, state.cache)
-                    tokens.append(token)
-                    probs.append(p)
-                    x = token.view(1, 1)
-                    if self.prefetcher.after_draft_token(i + 1):  # the host has caught up with the draft
-                        step_ms = (time.perf_counter() - start) * 1e3 / (i + 1)
-                plan = self.prefetcher.end_window()
-        drafted = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=self.model.device)
-        return drafted, (torch.stack(probs) if tokens and probs[0] is not None else None), step_ms, plan
+        start, step_ms = time.perf_counter(), []
+
+        def step(i: int, previous) -> tuple[torch.Tensor, torch.Tensor | None]:
+            x = state.uncached() if previous is None else previous[0].view(1, 1)  # [1, u]
+            return self._draft_step(x, state.cache)
+
+        def planned(drafted: int, read: bool) -> None:
+            if read:  # the host has caught up with the draft
+                step_ms.append((time.perf_counter() - start) * 1e3 / drafted)
+
+        drafts, plan = draft_window(k, step, self.prefetcher,
+                                    lambda: self.draft_model.observe_draft_routing(self.elb.observe), planned)
+        if not drafts:
+            return torch.empty(0, dtype=torch.long, device=self.model.device), None, None, plan
+        tokens, probs = zip(*drafts)
+        return (torch.cat(tokens), torch.stack(probs) if probs[0] is not None else None,
+                step_ms[-1] if step_ms else None, plan)
 
     def verifying(self, plan: WindowPlan | None):
         """Context of the window's target pass: the residency manager verifies with `plan`."""

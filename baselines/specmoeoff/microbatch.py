@@ -11,6 +11,7 @@ from specter.batch.state import BatchState, refuse_rope_switch
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid_experts import TARGET
+from specter.speculative.window import draft_window
 from specter.verify.accept import verify_batch
 
 MICROBATCHES = 2
@@ -56,15 +57,14 @@ class Microbatch:
         """k draft tokens [b, k] and the window's plan; one more step writes the last draft's KV (every
         request's draft cache then covers all k + 1 verified positions, so each keeps its accepted prefix
         like the target)."""
-        engine, tokens, x = self.engine, [], self.draft.last  # [b, 1]
-        with engine.draft_model.observe_draft_routing(engine.elb.observe):
-            engine.prefetcher.begin_window(k)
-            for i in range(k):
-                x = self._draft_step(x, i)
-                tokens.append(x)
-                engine.prefetcher.after_draft_token(i + 1)
-            plan = engine.prefetcher.end_window()
-        self._draft_step(x, k)
+        engine = self.engine
+
+        def step(i: int, previous: torch.Tensor | None) -> torch.Tensor:
+            return self._draft_step(self.draft.last if previous is None else previous, i)  # [b, 1]
+
+        tokens, plan = draft_window(k, step, engine.prefetcher,
+                                    lambda: engine.draft_model.observe_draft_routing(engine.elb.observe))
+        self._draft_step(tokens[-1], k)
         return torch.cat(tokens, dim=1), plan
 
     def _draft_step(self, x: torch.Tensor, offset: int) -> torch.Tensor:

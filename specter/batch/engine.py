@@ -1,13 +1,12 @@
 """Batched speculative decoding: B requests draft and verify together, each with its own acceptance."""
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult, h2d_split
 from specter.models.hybrid_experts import DRAFT
+from specter.speculative.window import draft_window
 from specter.verify.accept import verify_batch
 
 from .state import BatchState, refuse_rope_switch
@@ -57,24 +56,21 @@ def draft(engine, state: BatchState, k: int, metrics: list):
     """k draft tokens per request [B, k] and the window's plan (None without prefetch or drafts); all
     requests step together, their routing counted for the planner."""
     _phase(metrics, "draft", DecodeMetrics.begin)
-    tokens, x, plan = [], state.last, None  # x: [B, 1]
-    observing = engine.model.observe_draft_routing(engine.elb.observe) if k else nullcontext()
-    with state.draft_scratch(), observing:
-        engine.planner.begin_window(k)
-        for i in range(k):
-            mask, positions = state.step_inputs(offset=i, length=1)
-            graph = None
-            if state.static is not None:
-                graph = engine.graphs.capture(state.batch_size, state.cache, state.mask.shape[1], mask, positions)
-            if graph is not None:
-                x = graph.step(x, mask, positions).view(-1, 1)  # [B, 1]
-            else:
-                logits = engine.model.forward(x, state.cache, DRAFT, mask, positions)  # [B, 1, V]
-                x = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
-            tokens.append(x)
-            engine.planner.after_draft_token(i + 1)
-        if k:
-            plan = engine.planner.end_window()
+
+    def step(i: int, previous: torch.Tensor | None) -> torch.Tensor:
+        x = state.last if previous is None else previous  # [B, 1]
+        mask, positions = state.step_inputs(offset=i, length=1)
+        graph = None
+        if state.static is not None:
+            graph = engine.graphs.capture(state.batch_size, state.cache, state.mask.shape[1], mask, positions)
+        if graph is not None:
+            return graph.step(x, mask, positions).view(-1, 1)  # [B, 1]
+        logits = engine.model.forward(x, state.cache, DRAFT, mask, positions)  # [B, 1, V]
+        return logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+
+    with state.draft_scratch():
+        tokens, plan = draft_window(k, step, engine.planner,
+                                    lambda: engine.model.observe_draft_routing(engine.elb.observe))
     _phase(metrics, "draft", DecodeMetrics.end)
     return (torch.cat(tokens, dim=1) if tokens else state.last[:, :0]), plan
 
