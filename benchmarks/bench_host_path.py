@@ -191,7 +191,7 @@ def build(options: HostPathOptions, fake: FakeCuda) -> ResidencyManager:
         coded = CodedSlots(residuals, options.layers * slots + spare, scratch, store.numel, store.dtype,
                            torch.device("cpu"))
     cache = ExpertCache(store, slots, torch.device("cpu"), fake.device_streams(), LRUPolicy(), spare,
-                        residuals=residuals, decode_group=options.group, spare_slots=pooled > 0, coded=coded)
+                        residuals=residuals, decode_group=options.group, pooled=pooled > 0, coded=coded)
     cache.streams.group_copies = options.group_copies
     verify = VerifyOptions(wave=options.verify_wave)
     manager = ResidencyManager(cache, RoutingCounts(), verify, MoEWorkspace())

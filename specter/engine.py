@@ -75,7 +75,8 @@ class SpecterEngine:
         slots = self.config.resident_experts_per_layer
         self.offload_config = None if slots is None else \
             dataclasses.replace(OffloadConfig.of(self.config), keep_raw=keep_raw_experts)
-        self.planner = self._planner()
+        runtime = None if self.offload_config is None else self.offload_config.attach(model)  # experts to the host
+        self.planner = self._planner(runtime)
         self.session = None  # the OffloadSession of the running call
         self.ahead = DraftAhead(model, self.elb, self.config.draft_compile, self.config.k) \
             if self.config.draft_ahead else None
@@ -246,12 +247,10 @@ class SpecterEngine:
             finally:
                 self.session = None
 
-    def _planner(self):
-        """The prefetch planner (the experts move to the host store now), or NoPrefetch."""
-        if self.offload_config is None:
-            return NoPrefetch()
-        runtime = self.offload_config.attach(self.model)
-        if not self.config.prefetch:
+    def _planner(self, runtime):
+        """The prefetch planner over the offload runtime's cache, or NoPrefetch (nothing offloaded, or prefetch
+        off)."""
+        if runtime is None or not self.config.prefetch:
             return NoPrefetch()
         planner = PrefetchPlanner(PatternAnalyzer(self.elb), runtime.cache, initial_chunk=INITIAL_CHUNK,
                                   prefetch_chunk=PREFETCH_CHUNK)

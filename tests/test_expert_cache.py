@@ -13,7 +13,7 @@ LAYERS, EXPERTS, HIDDEN, INTER = 2, 6, 8, 4
 
 
 def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=None,
-               counts: RoutingCounts | None = None, spare_slots: bool = False) -> ExpertCache:
+               counts: RoutingCounts | None = None, pooled: bool = False) -> ExpertCache:
     """A cache over a small host store; the popularity policy reads `counts` (new if None)."""
     store = HostExpertStore(LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, torch.device("cpu"))
     for layer in range(LAYERS):
@@ -22,7 +22,7 @@ def make_cache(slots: int, policy: str = "lru", spare_rows: int = 0, streams=Non
     streams = streams or DeviceStreams(torch.device("cpu"))
     counts = RoutingCounts() if counts is None else counts
     return ExpertCache(store, slots, torch.device("cpu"), streams, make_policy(policy, counts), spare_rows,
-                       spare_slots=spare_slots)
+                       pooled=pooled)
 
 
 class EventLog:
@@ -263,11 +263,11 @@ def owned_rows(cache: ExpertCache) -> list[int]:
 
 @pytest.mark.parametrize("spare_rows", [1, 3])
 def test_spare_slots_lend_rows_to_a_verify_layer_and_take_them_back(spare_rows):
-    """Spare slots (pooled slots): streamed loads fill the rowless slots while spares last (then the layer's own
+    """Pooled slots: streamed loads fill the rowless slots while spares last (then the layer's own
     victims), each copy still waits for the last reader of its row, every row keeps one owner, and giving the lent rows
     back leaves the layer its own slot count, the most recently used experts kept."""
     rng, log = random.Random(spare_rows), EventLog()
-    cache = make_cache(2, "lru", spare_rows, streams=log, spare_slots=True)
+    cache = make_cache(2, "lru", spare_rows, streams=log, pooled=True)
     log.pool = cache.pool
     assert cache.stream_slots == 2 + spare_rows and cache.pool.shape[0] == LAYERS * 2 + spare_rows
     last_reader: dict[int, int] = {}

@@ -88,7 +88,7 @@ def test_pooled_slots_move_rows_from_the_layers_to_the_spares_in_the_same_memory
     rows = model.offload.cache.pool.shape[0]
     engine = specter.SpecterEngine(model, dataclasses.replace(config, pooled_slots=2))
     cache = model.offload.cache
-    assert (cache.slots_per_layer, cache.spare_rows, cache.spare_slots) == (1, SPARE_ROWS + 2 * layers, True)
+    assert (cache.slots_per_layer, cache.spare_rows, cache.pooled) == (1, SPARE_ROWS + 2 * layers, True)
     assert cache.pool.shape[0] == rows == 3 * layers + SPARE_ROWS and engine.mechanisms["pooled_slots"] == "on"
     out = engine.generate(prompt(), 8)
     assert out.stats["resident_experts_per_layer"] == 1 and out.token_ids == hf_greedy("tiny-qwen", prompt(), 8)

@@ -18,7 +18,7 @@ from specter.verify.residency import ResidencyManager, VerifyOptions, wave_size
 LAYERS, EXPERTS, HIDDEN, INTER, TOP_K = 3, 8, 16, 8, 2
 
 
-def make_runtime(slots: int, seed: int, spare_rows: int = 0, spare_slots: bool = False,
+def make_runtime(slots: int, seed: int, spare_rows: int = 0, pooled: bool = False,
                  **options) -> tuple[ResidencyManager, HostExpertStore]:
     """A residency manager over a random host store (LRU; no spare rows unless asked), with VerifyOptions(**options)."""
     gen = torch.Generator().manual_seed(seed)
@@ -27,7 +27,7 @@ def make_runtime(slots: int, seed: int, spare_rows: int = 0, spare_slots: bool =
         store.put_layer(layer, torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen),
                         torch.randn(EXPERTS, HIDDEN, INTER, generator=gen))
     cache = ExpertCache(store, slots, torch.device("cpu"), DeviceStreams(torch.device("cpu")), LRUPolicy(), spare_rows,
-                        spare_slots=spare_slots)
+                        pooled=pooled)
     return ResidencyManager(cache, RoutingCounts(), VerifyOptions(**options), MoEWorkspace()), store
 
 
@@ -81,10 +81,10 @@ def test_random_plans_give_the_reference_output_and_consistent_counters(slots):
 @pytest.mark.parametrize("wave", [0, -1])
 @pytest.mark.parametrize("slots, spare_rows", [(1, 3), (2, 2)])
 def test_spare_slots_stream_wider_waves_with_the_reference_output(slots, spare_rows, wave):
-    """Pooled slots (spare slots): waves of half (0) or all (-1, what pooled slots run) of slots + spare rows, every
+    """Pooled slots: waves of half (0) or all (-1, what pooled slots run) of slots + spare rows, every
     output the reference's, every slot released, and each layer back to its own slots (the lent rows with the
     spares) once it is done."""
-    rng, (manager, store) = random.Random(7), make_runtime(slots, 7, spare_rows, spare_slots=True, wave=wave)
+    rng, (manager, store) = random.Random(7), make_runtime(slots, 7, spare_rows, pooled=True, wave=wave)
     cache, sizes = manager.cache, []
     run_wave = manager._run_wave
     manager._run_wave = lambda step, wave: (sizes.append(len(wave)), run_wave(step, wave))

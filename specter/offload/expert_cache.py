@@ -82,7 +82,7 @@ class ExpertCache:
     last readers, not for the kernels still reading the victim, so the copy stream need not idle while
     a verify wave computes. A layer still holds `slots_per_layer` experts at most.
 
-    With `spare_slots`, each layer also has `spare_rows` slots without a row of their own: a verify layer streams
+    With `pooled`, each layer also has `spare_rows` slots without a row of their own: a verify layer streams
     through them too (`load_if_free` lends each a spare row while one is left), and `return_lent_rows` gives the
     rows back when the layer is done (its least recently used experts beyond `slots_per_layer` evicted).
 
@@ -92,7 +92,7 @@ class ExpertCache:
 
     def __init__(self, store: HostExpertStore, slots_per_layer: int, device: torch.device,
                  streams: DeviceStreams, policy, spare_rows: int, residuals=None, decode_group: int = 1,
-                 spare_slots: bool = False, coded=None) -> None:
+                 pooled: bool = False, coded=None) -> None:
         if spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0, got {spare_rows}")
         self.store, self.streams, self.slots_per_layer = store, streams, slots_per_layer
@@ -101,19 +101,19 @@ class ExpertCache:
         decodes_loads = residuals is not None and coded is None  # coded slots decode per wave, in CodedSlots
         self.decode_launcher = residuals.launcher() if decodes_loads else None
         self.key = (slots_per_layer, policy.name, spare_rows, residuals is not None,
-                    decode_group if residuals is not None else None, spare_slots,
+                    decode_group if residuals is not None else None, pooled,
                     0 if coded is None else len(coded.scratch_rows))  # offload_experts compares
         grouped = self.decode_launcher is not None and decode_group > 1  # one decode launch per `decode_group` loads
         self.decode_groups = [DecodeGroup(layer, decode_group, partial(self._decode_group, layer))
                               for layer in range(store.num_layers)] if grouped else None
-        self.policy, self.spare_rows, self.spare_slots = policy, spare_rows, spare_slots
+        self.policy, self.spare_rows, self.pooled = policy, spare_rows, pooled
         rows = store.num_layers * slots_per_layer + spare_rows
         if coded is not None and coded.blobs.shape[0] != rows:
             raise ValueError(f"coded slots hold {coded.blobs.shape[0]} blob rows, this cache has {rows}")
         self.pool = coded.scratch if coded is not None else \
             torch.empty(rows, store.numel, dtype=store.dtype, device=device)  # [L*S + spare, 3*I*H]
         self.pool_rows = self.pool.unbind(0)  # each row's view, made once (a load indexes no tensor)
-        size = slots_per_layer + (spare_rows if spare_slots else 0)
+        size = slots_per_layer + (spare_rows if pooled else 0)
         self.layers = [LayerSlots(size, first_row=layer * slots_per_layer, own=slots_per_layer)
                        for layer in range(store.num_layers)]
         self.reset()
@@ -173,21 +173,21 @@ class ExpertCache:
 
     @property
     def stream_slots(self) -> int:
-        """Slots a verify layer streams through: its own, and the spare rows with `spare_slots`."""
+        """Slots a verify layer streams through: its own, and the spare rows with `pooled`."""
         return self.layers[0].size if self.layers else self.slots_per_layer
 
     def load_if_free(self, layer: int, expert: int) -> int | None:
         """`load` into a slot without a row while a spare row is left to lend it, else into the policy's victim
         slot; None (nothing started) if every slot is protected."""
         slots = self.layers[layer]
-        slot = slots.rowless() if self.spare_slots and self.spares else None
+        slot = slots.rowless() if self.pooled and self.spares else None
         if slot is None:
             slot = self.policy.stream_victim(layer, slots)
         return None if slot is None else self.load(layer, expert, slot)
 
     def return_lent_rows(self, layer: int) -> None:
         """A verify layer is done: its unprotected slots, least recently used first, give the rows lent to it back
-        to the spares until it holds `slots_per_layer` rows (their experts evicted; no-op without spare slots)."""
+        to the spares until it holds `slots_per_layer` rows (their experts evicted; no-op without pooled slots)."""
         slots = self.layers[layer]
         excess = sum(row is not None for row in slots.rows) - self.slots_per_layer
         for slot in slots.unprotected_lru()[:max(0, excess)]:
@@ -376,7 +376,7 @@ class ExpertCache:
         if not self.spares:
             return own
         spare = self.spares.popleft()
-        if own.row is not None:  # a slot without a row (`spare_slots`) keeps the spare until `return_lent_rows`
+        if own.row is not None:  # a slot without a row (`pooled`) keeps the spare until `return_lent_rows`
             self.spares.append(own)
         slots.rows[slot], slots.last_use[slot] = spare.row, spare.last_use
         return spare

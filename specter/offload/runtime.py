@@ -31,7 +31,7 @@ class OffloadConfig:
     Systems sharing a model share its cache while their slots, policy, spare rows and transfer format agree."""
 
     slots: int
-    policy: str = "lru"
+    eviction: str = "lru"
     spare_rows: int = SPARE_ROWS
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     residual: bool = False  # loads move residual blobs; a decode group's copies are issued together
@@ -51,7 +51,7 @@ class OffloadConfig:
         `slots - pooled_slots` slots per layer and `pooled_slots` rows of each layer added to the spare rows,
         lent to the verify layers; with `coded`, that memory holds residual blobs."""
         spare_rows = self.spare_rows + self.pooled_slots * len(model.experts)
-        return offload_experts(model, self.slots - self.pooled_slots, self.policy, spare_rows, self.residual,
+        return offload_experts(model, self.slots - self.pooled_slots, self.eviction, spare_rows, self.residual,
                                self.pooled_slots > 0, self.coded and self.residual, self.keep_raw)
 
 
@@ -125,15 +125,15 @@ def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStor
     return store
 
 
-def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SPARE_ROWS, residual: bool = False,
-                    spare_slots: bool = False, coded: bool = False, keep_raw: bool = True) -> OffloadRuntime:
+def offload_experts(model, slots: int, eviction: str = "lru", spare_rows: int = SPARE_ROWS, residual: bool = False,
+                    pooled: bool = False, coded: bool = False, keep_raw: bool = True) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
-    slot count, policy, number of spare rows or transfer format builds a new cache over the same store
+    slot count, eviction policy, number of spare rows or transfer format builds a new cache over the same store
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
     on first use and kept), decoded `DECODE_GROUP` consecutive loads of one layer per launch. With
-    `spare_slots` the verify layers also stream through the spare rows (lent for the layer). With `residual` and
+    `pooled` the verify layers also stream through the spare rows (lent for the layer). With `residual` and
     `coded`, the memory of those slots and spare rows, less `coded_slots.SCRATCH_ROWS` 16-bit rows, holds residual blobs
     (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave. Without
     `keep_raw` the residual store's build lets the host store's raw experts go layer by layer (only systems that
@@ -154,7 +154,7 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
         store = model.host_store
         slots, spare_rows, scratch = coded_rows(slots, spare_rows, store.num_layers, store.num_experts,
                                                 store.expert_bytes, residuals.max_blob_words * 4)
-    key = (slots, policy, spare_rows, residual, DECODE_GROUP if residual else None, spare_slots, scratch)
+    key = (slots, eviction, spare_rows, residual, DECODE_GROUP if residual else None, pooled, scratch)
     if runtime is not None and runtime.cache.key == key:
         return runtime
     if runtime is None:
@@ -167,8 +167,8 @@ def offload_experts(model, slots: int, policy: str = "lru", spare_rows: int = SP
     coded_memory = None if not coded else CodedSlots(residuals, model.host_store.num_layers * slots + spare_rows,
                                                      scratch, model.host_store.numel, model.host_store.dtype,
                                                      model.device)
-    cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(policy, routing), spare_rows,
-                        residuals if residual else None, DECODE_GROUP, spare_slots, coded_memory)
+    cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(eviction, routing), spare_rows,
+                        residuals if residual else None, DECODE_GROUP, pooled, coded_memory)
     residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
     runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals)
     for module in model.experts:
