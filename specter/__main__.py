@@ -1,4 +1,5 @@
-"""`python -m specter generate`: decode a text prompt with Specter, stream the text, summarize the run on stderr."""
+"""`python -m specter generate`: decode a text prompt with Specter, stream the text, summarize the run on stderr;
+`python -m specter serve`: an OpenAI-compatible server over one model."""
 from __future__ import annotations
 
 import argparse
@@ -56,7 +57,27 @@ def parser() -> Parser:
     gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     gen.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
                      help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
+    add_serve(commands)
     return top
+
+
+def add_serve(commands) -> None:
+    srv = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)",
+                              description="Serve /v1/completions, /v1/chat/completions, /v1/models and /health "
+                                          "over one model, loaded once at start-up.")
+    srv.add_argument("--model", required=True, help="a registered model name or a checkpoint directory")
+    srv.add_argument("--mem", required=True, type=memory, help="resident experts per layer: the model's preset "
+                                                               "high or low, or a GPU budget in GB")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    srv.add_argument("--k", type=int, default=None, help="draft tokens per iteration (default: the model's)")
+    srv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    srv.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                     help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
+    srv.add_argument("--max-batch", type=int, default=16,
+                     help="greedy non-streaming requests decoded together at most (default 16)")
+    srv.add_argument("--batch-wait-ms", type=float, default=2.0,
+                     help="how long a lone greedy request waits for others to batch with (default 2 ms)")
 
 
 def resident_slots(model, mem: str | float) -> int:
@@ -114,9 +135,36 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Check the arguments, then serve until interrupted while the model loads in the background."""
+    check_model_source(args.model)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SpecterError("--device cuda: no CUDA device is available here (use --device cpu)")
+    if args.k is not None and args.k < 1:
+        raise SpecterError(f"--k must be an integer >= 1, got {args.k}")
+    if args.max_batch < 1 or not math.isfinite(args.batch_wait_ms) or args.batch_wait_ms < 0:
+        raise SpecterError("--max-batch must be >= 1 and --batch-wait-ms a number >= 0")
+    try:
+        from specter.serve.engines import load_served
+        from specter.serve.server import run_server
+    except ImportError as err:
+        raise SpecterError(f"serve needs the serve extra ({err.name} is missing): "
+                           f"python3 -m pip install -e \".[serve]\"") from None
+    device = None if args.device == "auto" else args.device
+    run_server(lambda: load_served(args.model, lambda model: resident_slots(model, args.mem), k=args.k,
+                                   device=device, dtype=DTYPES[args.dtype]),
+               args.host, args.port, args.max_batch, args.batch_wait_ms / 1000)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line's exit code: 0, or 2 after one `error: ...` line on stderr."""
-    return run_cli(lambda: generate(parser().parse_args(argv)))
+
+    def run() -> int:
+        args = parser().parse_args(argv)
+        return serve(args) if args.command == "serve" else generate(args)
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from transformers import StaticCache
 
 from specter.batch.engine import generate_batch
 from specter.config import MAX_CACHE_LEN, SpecterConfig
-from specter.errors import SpecterError
 from specter.hooks import attributes_set
 from specter.inputs import check_batch, check_prompt, is_batch
 from specter.kernels.moe_align import MoEWorkspace
@@ -87,19 +86,18 @@ class SpecterEngine:
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, eos_token_id: int | None = None,
-                 on_commit: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """New tokens for a [1, T] prompt; stops early only at `eos_token_id` if one is given; `on_commit`
+                 on_commit: Callable | None = None) -> GenerationResult:
+        """New tokens for a [1, T] prompt; stops early only at `eos_token_id` if one is given; `on_commit(tokens)`
         is called with each group of tokens as it commits (they may run past the EOS: the result is cut there).
 
         A batch (a list of prompts: token lists or tensors, any lengths) gives a list of results, one per
-        request, decoded together (greedy; `specter.batch`; no `on_commit`)."""
+        request, decoded together (greedy; `specter.batch`); its `on_commit(request, tokens)` hears each
+        request's commits, and a False from it ends that request there."""
         with self._serving():
             vocab = self.model.vocab_size
             if is_batch(input_ids):
-                if on_commit is not None:
-                    raise SpecterError("on_commit streams a single request; a batch returns its results at the end")
                 prompts = check_batch(input_ids, max_new_tokens, vocab, self.model.max_positions)
-                return generate_batch(self, prompts, max_new_tokens, eos_token_id)
+                return generate_batch(self, prompts, max_new_tokens, eos_token_id, on_commit)
             prompt = check_prompt(input_ids, max_new_tokens, vocab, self.model.max_positions)
             return self._generate_one(prompt, max_new_tokens, eos_token_id, on_commit or (lambda tokens: None))
 

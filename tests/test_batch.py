@@ -53,6 +53,22 @@ def test_a_request_ending_early_does_not_disturb_the_others():
     assert batch[1].stats["generated_tokens"] < batch[0].stats["generated_tokens"]  # it stopped committing
 
 
+def test_on_commit_hears_each_request_and_a_false_ends_only_that_request():
+    engine = specter.SpecterEngine(fresh("tiny-qwen"), specter.SpecterConfig(k=4, resident_experts_per_layer=2))
+    alone = solo(engine, PROMPTS, 16)
+    heard: dict[int, list[int]] = {r: [] for r in range(len(PROMPTS))}
+
+    def on_commit(request, tokens):
+        heard[request] += tokens
+        return not (request == 2 and len(heard[request]) >= 3)  # request 2 ends after its first 3 tokens
+
+    batch = engine.generate(PROMPTS, 16, on_commit=on_commit)
+    assert [r.token_ids for r in batch] == [alone[0], alone[1], heard[2], alone[3]]
+    assert [heard[r][:16] for r in (0, 1, 3)] == [alone[0], alone[1], alone[3]]  # commits as they happened
+    assert 3 <= len(heard[2]) < 16 and heard[2] == alone[2][:len(heard[2])]
+    assert batch[2].stats["generated_tokens"] == len(heard[2])
+
+
 def test_batched_offload_shares_the_cache_and_counts_the_working_set():
     engine = specter.SpecterEngine(fresh("tiny-qwen"), specter.SpecterConfig(k=4, resident_experts_per_layer=2))
     one = engine.generate([PROMPTS[0]], 12)[0].stats

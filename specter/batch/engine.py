@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult, h2d_split
 from specter.models.hybrid_experts import DRAFT
@@ -12,8 +14,11 @@ from specter.verify.accept import verify_batch
 from .state import BatchState, refuse_rope_switch
 
 
-def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
-                   eos_token_id: int | None = None) -> list[GenerationResult]:
+BatchCommit = Callable[[int, list[int]], "bool | None"]  # (request, its tokens just committed); False: it ends
+
+
+def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
+                   on_commit: BatchCommit | None = None) -> list[GenerationResult]:
     """Greedy speculative decoding of B requests on one shared cache; one result per request.
 
     Every pass drafts k tokens for all requests in lockstep (the lookahead counters and the prefetch
@@ -21,6 +26,8 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
     forward, so each expert a layer needs is loaded once for every request that routes to it. Each
     request accepts its own prefix; a request that is done (max_new_tokens or EOS) rides along, keeps
     no KV and commits nothing, so it never changes the others' tokens and its length stays bounded.
+    `on_commit(request, tokens)` hears each request's commits as they happen (they may run past its EOS: its
+    result is cut there); returning False ends that request there (it rides along from then on).
     """
     if not engine.config.greedy:
         raise SpecterError("batched decoding is greedy only: use temperature=0")
@@ -30,10 +37,12 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
     metrics = [DecodeMetrics(engine.model.device) for _ in prompts]
     first = state.prefill().argmax(dim=-1).tolist()  # [B]
     state.commit_first(first)
+    commit = on_commit or (lambda request, tokens: None)
+    ended = [commit(r, [token]) is False for r, token in enumerate(first)]  # what on_commit stopped
     for m in metrics:
         m.commit(1)
     engine.end_prefill()
-    active = active_requests(state, max_new_tokens, eos_token_id)
+    active = active_requests(state, max_new_tokens, eos_token_id, ended)
     while any(active):
         k = min(engine.config.k, max(max_new_tokens - len(state.generated(r)) - 1 for r in range(len(active))
                                      if active[r]))
@@ -47,8 +56,9 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int,
             if active[r]:
                 metrics[r].commit(len(tokens))
                 metrics[r].window(k, n)
+                ended[r] = commit(r, tokens) is False
         engine.close_window(plan)
-        active = active_requests(state, max_new_tokens, eos_token_id)
+        active = active_requests(state, max_new_tokens, eos_token_id, ended)
     return _results(engine, state, metrics, max_new_tokens, eos_token_id)
 
 
@@ -107,9 +117,11 @@ def _phase(metrics: list, name: str, mark) -> None:
         mark(m, name)
 
 
-def active_requests(state: BatchState, max_new_tokens: int, eos: int | None) -> list[bool]:
+def active_requests(state: BatchState, max_new_tokens: int, eos: int | None,
+                    ended: list[bool] | None = None) -> list[bool]:
+    """Per request: still decoding (below max_new_tokens, no EOS yet, and not `ended` by its caller)."""
     return [len(state.generated(r)) < max_new_tokens and not (eos is not None and eos in state.generated(r))
-            for r in range(state.batch_size)]
+            and not (ended is not None and ended[r]) for r in range(state.batch_size)]
 
 
 def _results(engine, state: BatchState, metrics: list, max_new_tokens: int, eos: int | None) -> list[GenerationResult]:
