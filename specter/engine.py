@@ -16,7 +16,7 @@ from specter.kernels.moe_align import MoEWorkspace
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid import HybridMoEModel
 from specter.models.hybrid_experts import DRAFT
-from specter.draft.ahead import AheadWindow, DraftAhead, Launched
+from specter.draft.ahead import DraftAhead, Launched
 from specter.draft.graph import DraftGraphCache
 from specter.mechanisms import as_run, resolve
 from specter.offload.runtime import OffloadConfig, serving
@@ -32,9 +32,10 @@ from specter.prefetch.planner import (
 )
 from specter.speculative.sampling import next_token, seeded_generator
 from specter.speculative.state import StateManager, window_length
-from specter.speculative.window import draft_window, plan_drafted_window
+from specter.speculative.loop import decode_windows
+from specter.speculative.request import OneRequest
+from specter.speculative.window import draft_window
 from specter.text import TextResult, generate_text
-from specter.verify.accept import verify_and_accept
 from specter.window_accounting import WindowAccounting
 
 
@@ -49,9 +50,10 @@ class SpecterEngine:
     `config` is what was asked; `self.config` what runs (`specter.mechanisms.resolve`: K resolved, a mechanism
     that cannot apply here switched off), and `self.mechanisms` says which ran and why not.
 
-    Window API (single-request and batched decoding): `begin_request`, `end_prefill`, then per window
-    `begin_window`, the planner's draft hooks, `verifying(plan)` around the target pass, `close_window`;
-    `stats` at the end. They run inside `generate`, which installs the engine's hooks on the model.
+    The windows of a single request (`specter.speculative.request.OneRequest`) or a batch
+    (`specter.batch.engine.BatchRequests`) run in `specter.speculative.loop.decode_windows` on this engine's
+    `begin_window`, `verifying(plan)` and `close_window`, after `begin_request` and `end_prefill`; `stats` at the
+    end. They run inside `generate`, which installs the engine's hooks on the model.
     """
 
     name = "specter"
@@ -120,49 +122,11 @@ class SpecterEngine:
         metrics.commit(1)
         self.end_prefill()
         ahead = None if self.ahead is None else self.ahead.collect_prompt(from_prompt, first)
-        while len(state.generated) < max_new_tokens and not _ended(state.generated, eos_token_id):
-            remaining = max_new_tokens - len(state.generated)
-            k = state.window(min(self.config.k, remaining - 1))
-            new_tokens, accepted, plan, ahead = self.speculate(state, k, metrics, ahead, remaining)
-            state.commit(new_tokens, kv_keep=state.kv_length + state.uncached_length + accepted)
-            on_commit(new_tokens)
-            metrics.commit(len(new_tokens))
-            metrics.window(k, accepted)
-            self.close_window(plan)
+        decode_windows(OneRequest(self, state, metrics, max_new_tokens, eos_token_id, on_commit, ahead), self)
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)
         stats = self.stats(metrics)
         stats["kv_cache_length"] = static_length(state.cache)  # the verify windows' KV, for a replay of them
         return GenerationResult(tokens, stats)
-
-    def speculate(self, state: StateManager, k: int, metrics: DecodeMetrics, ahead: AheadWindow | None = None,
-                  remaining: int = 0) -> tuple[list[int], int, WindowPlan | None, AheadWindow | None]:
-        """One iteration: draft k tokens (or take `ahead`'s, drafted during the previous verify pass), verify
-        k + 1 positions; (tokens to commit, n accepted, the window's plan, the next window's drafts if the
-        draft-ahead made them and they are usable). `remaining`: tokens the request still needs (0: none
-        drafted ahead)."""
-        self.begin_window()
-        metrics.begin("draft")
-        taken = ahead if ahead is not None and ahead.k == k else None  # drafts made ahead for this window
-        if ahead is not None and taken is None:
-            self.ahead.discard()  # its routing counts are not this window's
-        if taken is not None:
-            drafts, draft_probs, plan = taken.tokens, None, self.plan_ahead_window(k)
-        else:
-            drafts, draft_probs, plan = self.draft(state, k)
-        metrics.end("draft")
-        metrics.begin("verify")
-        launched = None if self.ahead is None else self.ahead.launch(state, drafts, taken, remaining)
-        with self.verifying(plan):
-            accepted, new_tokens = verify_and_accept(self.model, state, drafts, draft_probs, self.config,
-                                                     self.generator)
-        usable = None if self.ahead is None else self.ahead.collect(launched, k, accepted, new_tokens)
-        metrics.end("verify")
-        return new_tokens, accepted, plan, usable
-
-    def plan_ahead_window(self, k: int) -> WindowPlan | None:
-        """A window whose drafts were made ahead: its routing is already in the counters, so the planner
-        closes it at once (no draft steps left to hide prefetches behind)."""
-        return plan_drafted_window(self.planner, k)
 
     def draft(self, state: StateManager, k: int) -> tuple[torch.Tensor, torch.Tensor | None, WindowPlan | None]:
         """k draft tokens [k] (and their distributions [k, V] when sampling; tokens stay on the device) and the
@@ -213,8 +177,8 @@ class SpecterEngine:
         """Context of the window's target pass: the residency manager verifies with `plan`."""
         return self.session.residency.verifying(plan) if self.session is not None else nullcontext()
 
-    def close_window(self, plan: WindowPlan | None) -> None:
-        """After a verify pass: the target's routing against the plan, the working set and the I/O floor."""
+    def close_window(self, plan: WindowPlan | None, committed=None) -> None:
+        """After a window's commit: the target's routing against the plan, the working set and the I/O floor."""
         self.accounting.close_window(plan)
 
     def stats(self, metrics: DecodeMetrics, batched: bool = False, graph_status: str | None = None) -> dict:
@@ -280,10 +244,6 @@ def static_length(cache) -> int | None:
     if not isinstance(cache, StaticCache):
         return None
     return int(cache.get_max_length() if hasattr(cache, "get_max_length") else cache.max_cache_len)
-
-
-def _ended(tokens: list[int], eos: int | None) -> bool:
-    return eos is not None and eos in tokens
 
 
 def _cut_at_eos(tokens: list[int], eos: int | None) -> list[int]:

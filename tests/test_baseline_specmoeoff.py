@@ -5,6 +5,7 @@ import torch
 import specter
 from baselines.specmoeoff import SpecMoEOff, SpecMoEOffConfig, make_specmoeoff_sc, make_specmoeoff_sm
 from baselines.specmoeoff.draft_model import draft_tensors
+from baselines.specmoeoff.engine import OneRequest
 from baselines.specmoeoff.k_optimizer import CostModel, best_k, expected_distinct, expected_tokens, time_per_token
 from baselines.specmoeoff.memory_policy import draft_copy_bytes, matched_memory_slots
 from baselines.target_only import TargetOnly
@@ -52,7 +53,10 @@ def test_draft_and_target_share_no_weights_and_no_kv():
     with system.serving():
         system.begin_request()
         target_state, draft_state = system.prefill(ids, NEW)
-        system.speculate(target_state, draft_state, 3, DecodeMetrics(model.device))
+        request = OneRequest(system, target_state, draft_state, DecodeMetrics(model.device), NEW)
+        drafted, plan = request.draft(3)
+        with system.verifying(plan):
+            request.commit(3, request.verify(drafted))
     runtime = model.offload
     target = [*model.hf.parameters(), *model.hf.buffers(), runtime.cache.pool, *runtime.store.buffers]
     assert not storages(draft_tensors(draft)) & storages(target)

@@ -4,6 +4,7 @@ from transformers import DynamicCache
 
 import specter
 from specter.metrics import DecodeMetrics
+from specter.speculative.request import OneRequest
 from specter.speculative.state import StateManager, crop_cache
 from tests.conftest import prompt, tiny_model
 
@@ -23,12 +24,15 @@ def test_kv_after_speculation_matches_fresh_forward(tiny_name):
     engine = specter.SpecterEngine(model, specter.SpecterConfig(k=5))
     state = StateManager(model, prompt())
     state.commit([int(state.prefill().argmax())], kv_keep=state.kv_length)
-    metrics = DecodeMetrics(model.device)
+    request = OneRequest(engine, state, DecodeMetrics(model.device), 1000, None, lambda tokens: None)
     rejected_once = False
-    for _ in range(6):
-        tokens, accepted, _, _ = engine.speculate(state, 5, metrics)
-        rejected_once |= accepted < 5
-        state.commit(tokens, kv_keep=state.kv_length + 1 + accepted)
+    for _ in range(6):  # the window loop's steps (speculative.loop), one window at a time
+        k = request.next_window()
+        drafted, plan = request.draft(k)
+        with engine.verifying(plan):
+            verified = request.verify(drafted)
+        request.commit(k, verified)
+        rejected_once |= verified[0] < 5
         assert state.cache.get_seq_length() == len(state.tokens) - 1  # all but the one uncached token
         for got, want in zip(cache_tensors(state.cache), cache_tensors(fresh_cache(model, state.tokens[:-1]))):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

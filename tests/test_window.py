@@ -1,9 +1,10 @@
-"""The draft phase of a window is written once (specter/speculative/window.py): its call order, and no other
-decode loop re-writes it."""
+"""The window is written once: its draft phase (specter/speculative/window.py) and the loop of draft, verify and
+commit (specter/speculative/loop.py); their call order, and no decode loop re-writes them."""
 import re
 from contextlib import contextmanager
 from pathlib import Path
 
+from specter.speculative.loop import decode_windows
 from specter.speculative.window import draft_window, plan_drafted_window
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +62,56 @@ def test_no_decode_loop_rewrites_the_draft_phase():
     found = [str(path.relative_to(ROOT)) for package in ("specter", "baselines", "benchmarks", "experiments")
              for path in sorted((ROOT / package).rglob("*.py")) if calls.search(path.read_text())]
     assert found == ["specter/speculative/window.py"]
+
+
+class Requests:
+    """A Decoding and its system's Windows at once, logging the loop's calls: windows of k = 3, 2, then done."""
+
+    def __init__(self):
+        self.calls, self.ks = [], [3, 2]
+
+    def next_window(self):
+        return self.ks.pop(0) if self.ks else None
+
+    def draft(self, k):
+        self.calls.append(("draft", k))
+        return f"drafts{k}", f"plan{k}"
+
+    @contextmanager
+    def verifying(self, plan):
+        self.calls.append(("verifying", plan))
+        yield
+        self.calls.append(("verified", plan))
+
+    def verify(self, drafts):
+        self.calls.append(("verify", drafts))
+        return f"accepted-{drafts}"
+
+    def commit(self, k, verified):
+        self.calls.append(("commit", k, verified))
+        return f"window{k}"
+
+    def begin_window(self):
+        self.calls.append(("begin",))
+
+    def close_window(self, plan, committed):
+        self.calls.append(("close", plan, committed))
+
+
+def test_the_window_loop_drafts_verifies_inside_the_plan_and_commits_until_done():
+    log = Requests()
+    assert decode_windows(log, log) == 2
+    window = [("begin",), ("draft", 3), ("verifying", "plan3"), ("verify", "drafts3"), ("verified", "plan3"),
+              ("commit", 3, "accepted-drafts3"), ("close", "plan3", "window3")]
+    assert log.calls == window + [(c[0], *(str(x).replace("3", "2") if not isinstance(x, int) else 2
+                                             for x in c[1:])) for c in window]
+
+
+def test_no_decode_loop_rewrites_the_window():
+    """Only specter/speculative/loop.py runs a target pass inside a window's plan (`with ... .verifying(`): the
+    systems' `verifying` only hands their residency manager's context over. The benchmarks of the host path
+    drive the residency manager directly and are not decode loops."""
+    calls = re.compile(r"with [^\n]*\.verifying\(")
+    found = [str(path.relative_to(ROOT)) for package in ("specter", "baselines", "experiments")
+             for path in sorted((ROOT / package).rglob("*.py")) if calls.search(path.read_text())]
+    assert found == ["specter/speculative/loop.py"], found

@@ -24,6 +24,7 @@ from specter.offload.runtime import OffloadConfig, serving
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import DEFAULT_H2D_BYTES_PER_MS, WindowPlan
 from specter.speculative.sampling import next_token, seeded_generator
+from specter.speculative.loop import decode_windows
 from specter.speculative.state import StateManager
 from specter.speculative.window import draft_window
 from specter.verify.accept import verify_and_accept
@@ -65,8 +66,9 @@ class SpecMoEOff:
     expert, misses loaded on demand); both KV caches keep only the accepted prefix. Greedy output equals
     the target's greedy output.
 
-    Window API (single requests and microbatches, inside `serving`): `begin_request`, `end_prefill`, then
-    per window `begin_window`, the prefetcher's draft hooks, `verifying(plan)`, `close_window`; `stats`.
+    The windows of a single request (`OneRequest`) or of the microbatches (`microbatch.TakingTurns`) run in
+    `specter.speculative.loop.decode_windows` on this system's `begin_window`, `verifying(plan)` and
+    `close_window`, inside `serving`, after `begin_request` and `end_prefill`; `stats` at the end.
     """
 
     name = "specmoeoff"
@@ -108,12 +110,7 @@ class SpecMoEOff:
         metrics = DecodeMetrics(self.model.device)
         target, draft = self.prefill(input_ids, max_new_tokens)
         metrics.commit(1)
-        while len(target.generated) < max_new_tokens:
-            k = target.window(min(self.choose_k(), max_new_tokens - len(target.generated) - 1))
-            window, plan = self.speculate(target, draft, k, metrics)
-            metrics.commit(len(window.tokens))
-            metrics.window(k, window.accepted)
-            self.close_window(window, plan)
+        decode_windows(OneRequest(self, target, draft, metrics, max_new_tokens), self)
         return GenerationResult(target.generated[:max_new_tokens], self.stats(metrics))
 
     @contextmanager
@@ -162,24 +159,6 @@ class SpecMoEOff:
     def choose_k(self) -> int:
         return self.config.fixed_k or best_k(self.costs, self.config.k_max)
 
-    def speculate(self, target: StateManager, draft: StateManager, k: int,
-                  metrics: DecodeMetrics) -> tuple[Window, WindowPlan | None]:
-        """Draft k tokens on the draft's KV, verify k + 1 positions on the target's, commit to both."""
-        start = time.perf_counter()
-        self.begin_window()
-        metrics.begin("draft")
-        drafts, draft_probs, draft_ms, plan = self.draft(draft, k)
-        metrics.end("draft")
-        metrics.begin("verify")
-        with self.verifying(plan):
-            accepted, tokens = verify_and_accept(self.model, target, drafts, draft_probs, self.config,
-                                                 self.generator)
-        metrics.end("verify")
-        draft_keep = len(draft.tokens) + min(accepted, k - 1) if k else draft.kv_length  # its KV of accepted inputs
-        target.commit(tokens, kv_keep=target.kv_length + target.uncached_length + accepted)
-        draft.commit(tokens, kv_keep=draft_keep)
-        return Window(k, accepted, tokens, (time.perf_counter() - start) * 1e3, draft_ms), plan
-
     def draft(self, state: StateManager, k: int) -> tuple[torch.Tensor, torch.Tensor | None, float | None,
                                                           WindowPlan | None]:
         """k draft tokens [k] (their distributions [k, V] when sampling), the measured ms per draft step and
@@ -209,7 +188,7 @@ class SpecMoEOff:
         """Context of the window's target pass: the residency manager verifies with `plan`."""
         return self.session.residency.verifying(plan)
 
-    def close_window(self, window: Window, plan: WindowPlan | None) -> None:
+    def close_window(self, plan: WindowPlan | None, window: Window) -> None:
         """After a window: the target's routing against the prefetch, the I/O floor, the cost model (a window
         with nothing drafted is not accounted)."""
         self._k_trace.append(window.k)
@@ -248,3 +227,48 @@ class SpecMoEOff:
     def _loads(self) -> int:
         """Experts copied into the cache so far in this request (demand misses and prefetches)."""
         return self.session.cache.counters.loads
+
+
+@dataclass
+class OneRequest:
+    """A single request after its prefill, as the window loop drives it: the target's and the separate draft's
+    states, each keeping the KV of the accepted prefix."""
+
+    system: SpecMoEOff
+    target: StateManager
+    draft_state: StateManager
+    metrics: DecodeMetrics
+    max_new_tokens: int
+
+    def next_window(self) -> int | None:
+        """k from the cost model (at most remaining - 1, within the rope's regime); None once done."""
+        remaining = self.max_new_tokens - len(self.target.generated)
+        return None if remaining <= 0 else self.target.window(min(self.system.choose_k(), remaining - 1))
+
+    def draft(self, k: int) -> tuple[tuple, WindowPlan | None]:
+        """(drafts [k], their distributions, ms per draft step, the window's start), the window's plan."""
+        started = time.perf_counter()
+        self.metrics.begin("draft")
+        drafts, draft_probs, draft_ms, plan = self.system.draft(self.draft_state, k)
+        self.metrics.end("draft")
+        return (drafts, draft_probs, draft_ms, started), plan
+
+    def verify(self, drafted: tuple) -> tuple:
+        drafts, draft_probs, draft_ms, started = drafted
+        system = self.system
+        self.metrics.begin("verify")
+        accepted, tokens = verify_and_accept(system.model, self.target, drafts, draft_probs, system.config,
+                                             system.generator)
+        self.metrics.end("verify")
+        return accepted, tokens, draft_ms, started
+
+    def commit(self, k: int, verified: tuple) -> Window:
+        """Both states commit the tokens; the window as the cost model sees it."""
+        accepted, tokens, draft_ms, started = verified
+        target, draft = self.target, self.draft_state
+        draft_keep = len(draft.tokens) + min(accepted, k - 1) if k else draft.kv_length  # its KV of accepted inputs
+        target.commit(tokens, kv_keep=target.kv_length + target.uncached_length + accepted)
+        draft.commit(tokens, kv_keep=draft_keep)
+        self.metrics.commit(len(tokens))
+        self.metrics.window(k, accepted)
+        return Window(k, accepted, tokens, (time.perf_counter() - started) * 1e3, draft_ms)

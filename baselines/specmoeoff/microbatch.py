@@ -11,6 +11,7 @@ from specter.batch.state import BatchState, refuse_rope_switch
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult
 from specter.models.hybrid_experts import TARGET
+from specter.speculative.loop import decode_windows
 from specter.speculative.window import draft_window
 from specter.verify.accept import verify_batch
 
@@ -36,24 +37,7 @@ class Microbatch:
     def active(self, max_new_tokens: int) -> list[bool]:
         return active_requests(self.target, max_new_tokens, None)
 
-    def speculate(self, k: int, max_new_tokens: int) -> None:
-        """Draft k tokens per request on the draft's KV, verify k + 1 positions token-wise, commit both."""
-        engine, active, start = self.engine, self.active(max_new_tokens), time.perf_counter()
-        engine.begin_window()
-        drafts, plan = self._draft(k)
-        with engine.verifying(plan):
-            outcome = verify_batch(engine.model, self.target, drafts)
-        tokens, accepted = [t for _, t in outcome], [n for n, _ in outcome]
-        for state in (self.target, self.draft):
-            state.commit(tokens, accepted)  # both keep the KV of each request's input and accepted drafts
-        for m, was_active, n, new in zip(self.metrics, active, accepted, tokens):
-            if was_active:
-                m.commit(len(new))
-                m.window(k, n)
-        mean_accepted = round(sum(accepted) / len(accepted))
-        engine.close_window(Window(k, mean_accepted, [], (time.perf_counter() - start) * 1e3, None), plan)
-
-    def _draft(self, k: int):
+    def make_drafts(self, k: int):
         """k draft tokens [b, k] and the window's plan; one more step writes the last draft's KV (every
         request's draft cache then covers all k + 1 verified positions, so each keeps its accepted prefix
         like the target)."""
@@ -66,6 +50,17 @@ class Microbatch:
                                     lambda: engine.draft_model.observe_draft_routing(engine.elb.observe))
         self._draft_step(tokens[-1], k)
         return torch.cat(tokens, dim=1), plan
+
+    def commit(self, k: int, active: list[bool], outcome: list[tuple[int, list[int]]]) -> list[int]:
+        """Both states keep the KV of each request's input and accepted drafts; the requests accepted."""
+        tokens, accepted = [t for _, t in outcome], [n for n, _ in outcome]
+        for state in (self.target, self.draft):
+            state.commit(tokens, accepted)
+        for m, was_active, n, new in zip(self.metrics, active, accepted, tokens):
+            if was_active:
+                m.commit(len(new))
+                m.window(k, n)
+        return accepted
 
     def _draft_step(self, x: torch.Tensor, offset: int) -> torch.Tensor:
         mask, positions = self.draft.step_inputs(offset=offset, length=1)
@@ -85,13 +80,46 @@ def generate_microbatches(engine, prompts: list[torch.Tensor], max_new_tokens: i
     for m in micro:
         m.prefill()
     engine.end_prefill()
-    while any(any(m.active(max_new_tokens)) for m in micro):
-        for m in micro:
-            remaining = [max_new_tokens - len(m.target.generated(r)) - 1
-                         for r, on in enumerate(m.active(max_new_tokens)) if on]
-            if remaining:
-                m.speculate(max(1, min(engine.choose_k(), max(remaining))), max_new_tokens)
+    decode_windows(TakingTurns(engine, micro, max_new_tokens), engine)
     return _combined(engine, micro, max_new_tokens)
+
+
+class TakingTurns:
+    """The microbatches as the window loop drives them: one window each in turn, skipping those that are done;
+    K from the engine's cost model."""
+
+    def __init__(self, engine, micro: list[Microbatch], max_new_tokens: int) -> None:
+        self.engine, self.micro, self.max_new_tokens = engine, micro, max_new_tokens
+        self.turn = -1  # the microbatch whose window runs
+
+    def next_window(self) -> int | None:
+        for step in range(1, len(self.micro) + 1):
+            turn = (self.turn + step) % len(self.micro)
+            m = self.micro[turn]
+            remaining = [self.max_new_tokens - len(m.target.generated(r)) - 1
+                         for r, on in enumerate(m.active(self.max_new_tokens)) if on]
+            if remaining:
+                self.turn = turn
+                return max(1, min(self.engine.choose_k(), max(remaining)))
+        return None
+
+    def draft(self, k: int) -> tuple[tuple, object]:
+        """(the microbatch, its drafts [b, k], which requests were active, the window's start), the plan."""
+        m, started = self.micro[self.turn], time.perf_counter()
+        active = m.active(self.max_new_tokens)
+        drafts, plan = m.make_drafts(k)
+        return (m, drafts, active, started), plan
+
+    def verify(self, drafted: tuple) -> tuple:
+        """Token-wise verification of the microbatch's k + 1 positions (the engine's residency manager)."""
+        m, drafts, active, started = drafted
+        return m, verify_batch(self.engine.model, m.target, drafts), active, started
+
+    def commit(self, k: int, verified: tuple) -> Window:
+        m, outcome, active, started = verified
+        accepted = m.commit(k, active, outcome)
+        mean_accepted = round(sum(accepted) / len(accepted))
+        return Window(k, mean_accepted, [], (time.perf_counter() - started) * 1e3, None)
 
 
 def _combined(engine, micro: list[Microbatch], max_new_tokens: int) -> list[GenerationResult]:

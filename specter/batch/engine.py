@@ -4,10 +4,13 @@ from __future__ import annotations
 import torch
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult, h2d_split
 from specter.models.hybrid_experts import DRAFT
+from specter.speculative.loop import decode_windows
 from specter.speculative.window import draft_window
 from specter.verify.accept import verify_batch
 
@@ -42,24 +45,55 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int, eos
     for m in metrics:
         m.commit(1)
     engine.end_prefill()
-    active = active_requests(state, max_new_tokens, eos_token_id, ended)
-    while any(active):
-        k = min(engine.config.k, max(max_new_tokens - len(state.generated(r)) - 1 for r in range(len(active))
-                                     if active[r]))
-        engine.begin_window()
-        state.make_room(k + 1)
-        drafts, plan = draft(engine, state, k, metrics)
-        outcome = verify(engine, state, drafts, plan, metrics)
-        outcome = [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]  # done: no KV
-        state.commit([tokens for _, tokens in outcome], [n for n, _ in outcome])
-        for r, (n, tokens) in enumerate(outcome):
-            if active[r]:
-                metrics[r].commit(len(tokens))
-                metrics[r].window(k, n)
-                ended[r] = commit(r, tokens) is False
-        engine.close_window(plan)
-        active = active_requests(state, max_new_tokens, eos_token_id, ended)
+    decode_windows(BatchRequests(engine, state, metrics, max_new_tokens, eos_token_id, commit, ended), engine)
     return _results(engine, state, metrics, max_new_tokens, eos_token_id)
+
+
+@dataclass
+class BatchRequests:
+    """B requests after their prefill, as the window loop drives them: they draft in lockstep and verify in one
+    target forward; `ended[r]`: request r's `commit` said stop."""
+
+    engine: Any  # the SpecterEngine
+    state: BatchState
+    metrics: list[DecodeMetrics]
+    max_new_tokens: int
+    eos: int | None
+    on_commit: BatchCommit
+    ended: list[bool]
+
+    def active(self) -> list[bool]:
+        return active_requests(self.state, self.max_new_tokens, self.eos, self.ended)
+
+    def next_window(self) -> int | None:
+        """k = min(K, the most any active request still needs - 1); None once every request is done."""
+        active = self.active()
+        if not any(active):
+            return None
+        state = self.state
+        return min(self.engine.config.k, max(self.max_new_tokens - len(state.generated(r)) - 1
+                                             for r in range(len(active)) if active[r]))
+
+    def draft(self, k: int) -> tuple[torch.Tensor, Any]:
+        self.state.make_room(k + 1)
+        return draft(self.engine, self.state, k, self.metrics)
+
+    def verify(self, drafts: torch.Tensor) -> list[tuple[int, list[int]]]:
+        """(accepted, tokens to commit) per request, a request already done keeping no KV and committing nothing."""
+        _phase(self.metrics, "verify", DecodeMetrics.begin)
+        outcome = verify_batch(self.engine.model, self.state, drafts)
+        _phase(self.metrics, "verify", DecodeMetrics.end)
+        active = self.active()
+        return [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]
+
+    def commit(self, k: int, verified: list[tuple[int, list[int]]]) -> None:
+        active = self.active()
+        self.state.commit([tokens for _, tokens in verified], [n for n, _ in verified])
+        for r, (n, tokens) in enumerate(verified):
+            if active[r]:
+                self.metrics[r].commit(len(tokens))
+                self.metrics[r].window(k, n)
+                self.ended[r] = self.on_commit(r, tokens) is False
 
 
 def draft(engine, state: BatchState, k: int, metrics: list):
@@ -100,16 +134,6 @@ def static_batch_cache(engine, prompts: list[torch.Tensor], max_new_tokens: int)
     needed = max(p.shape[-1] for p in prompts) + max_new_tokens + 4 * (k + 1)
     length = -(-needed // BATCH_CACHE_QUANTUM) * BATCH_CACHE_QUANTUM
     return engine.graphs.static_cache(len(prompts), length)
-
-
-def verify(engine, state: BatchState, drafts: torch.Tensor, plan, metrics: list) -> list[tuple[int, list[int]]]:
-    """One target forward over [last, drafts] of every request, verified with the window's `plan`;
-    (accepted, tokens to commit) per request."""
-    _phase(metrics, "verify", DecodeMetrics.begin)
-    with engine.verifying(plan):
-        outcome = verify_batch(engine.model, state, drafts)
-    _phase(metrics, "verify", DecodeMetrics.end)
-    return outcome
 
 
 def _phase(metrics: list, name: str, mark) -> None:
