@@ -9,7 +9,6 @@ import torch
 from baselines.target_only import TargetOnly
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
-from specter.hooks import attributes_set
 from specter.inputs import check_prompt, is_batch
 from specter.kernels.reference import combine_rows, expert_mlp, group_by_expert
 from specter.metrics import GenerationResult, h2d_split
@@ -229,8 +228,8 @@ class MixtralOffloading:
             input_ids = check_prompt(input_ids, max_new_tokens, self.model.vocab_size, self.model.max_positions)
         cache = self._swap_cache()
         cache.reset()
-        with attributes_set(self.model.experts, target_executor=SwapExecutor(cache, self.staging - 1)):
-            result = self.loop.generate(input_ids, max_new_tokens, streams=cache.streams)
+        result = self.loop.generate(input_ids, max_new_tokens, streams=cache.streams,
+                                    executor=SwapExecutor(cache, self.staging - 1))
         results = result if isinstance(result, list) else [result]
         decode_tokens = sum(r.stats["generated_tokens"] - 1 for r in results)
         stats = self._stats(cache, results[0].stats["prefill_h2d_bytes"], decode_tokens)

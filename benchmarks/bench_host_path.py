@@ -225,9 +225,9 @@ def verify(manager: ResidencyManager, work: list[tuple], options: HostPathOption
     start = time.perf_counter()
     for routing, plan in work:
         manager.cache.begin_window()
-        with manager.verifying(plan):
-            for layer, module in enumerate(modules):
-                manager(module, hidden, routing[layer], weights)
+        planned = manager.window(plan)
+        for layer, module in enumerate(modules):
+            planned(module, hidden, routing[layer], weights)
         manager.take_demand()
     manager.cache.flush_loads()
     return time.perf_counter() - start

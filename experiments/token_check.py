@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from specter.offload.runtime import serving
 from specter.speculative.state import StateManager, crop_cache, new_static_cache
 
 EQUAL, TIE, MISMATCH = "equal", "tie", "MISMATCH"
@@ -66,14 +64,11 @@ def classify(gap: float, bound: float, shapes_disagree: bool) -> str:
     return TIE if shapes_disagree or gap <= bound else MISMATCH
 
 
-@contextmanager
-def target_session(target):
-    """The target-only system's serving session (its expert cache, when offloaded), reset."""
-    config = target.offload_config
-    with (nullcontext() if config is None else serving(target.model, config, target.verify_workspace)) as session:
-        if session is not None:
-            session.reset()
-        yield
+def target_executor(target):
+    """What runs the target-only system's routed experts: its residency manager over its expert cache, reset
+    (None: the model's own experts)."""
+    session = target.session()
+    return None if session is None else session.residency
 
 
 @torch.inference_mode()
@@ -82,10 +77,10 @@ def target_logits(target, ids: torch.Tensor, window: int) -> torch.Tensor:
     forward after a prefill of the rest (window 1: target-only's shape; K + 1: a verify pass's)."""
     model = target.model
     split = max(ids.shape[1] - window, 1)
-    with target_session(target):
-        state = StateManager(model, ids[:, :split])
-        state.prefill()
-        return model.forward(ids[:, split:].to(model.device), state.cache, "target")[0, -1].float()
+    executor = target_executor(target)
+    state = StateManager(model, ids[:, :split])
+    state.prefill(executor)
+    return model.forward(ids[:, split:].to(model.device), state.cache, "target", executor=executor)[0, -1].float()
 
 
 @torch.inference_mode()
@@ -93,12 +88,13 @@ def incremental_logits(target, ids: torch.Tensor, tokens: list[int], position: i
     """The target's float32 logits [V] for new token `position`, computed as target-only computes it: the
     prompt's prefill, then `tokens[:position]` one per forward (dynamic KV)."""
     model = target.model
-    with target_session(target):
-        state = StateManager(model, ids)
-        logits = state.prefill()
-        for token in tokens[:position]:
-            logits = model.forward(torch.tensor([[token]], device=model.device), state.cache, "target")[0, -1]
-        return logits.float()
+    executor = target_executor(target)
+    state = StateManager(model, ids)
+    logits = state.prefill(executor)
+    for token in tokens[:position]:
+        logits = model.forward(torch.tensor([[token]], device=model.device), state.cache, "target",
+                               executor=executor)[0, -1]
+    return logits.float()
 
 
 @torch.inference_mode()
@@ -109,27 +105,28 @@ def replay_windows(target, ids: torch.Tensor, tokens: list[int], windows: list, 
     the system's token, None if all agree; the float32 logits [V] of new token `at` there, None if not reached).
     `cache_length`: the system's static KV length (None: dynamic KV)."""
     model = target.model
-    with target_session(target):
-        cache = None if cache_length is None else new_static_cache(model, cache_length)
-        state = StateManager(model, ids, cache)
-        first = state.prefill()
-        seen = first.float() if at == 0 else None
-        if int(first.argmax()) != tokens[0]:
-            return 0, seen
-        done = 1  # tokens committed so far
-        for k, n in windows:
-            window = tokens[done - 1: done + k]
-            if len(window) < k + 1:
-                break
-            logits = model.forward(torch.tensor([window], device=model.device), state.cache, "target")[0]  # [k+1, V]
-            if at is not None and done <= at <= done + n:
-                seen = logits[at - done].float()
-            predicted = logits[: n + 1].argmax(dim=-1).tolist()
-            for i, (a, b) in enumerate(zip(predicted, tokens[done: done + n + 1])):
-                if a != b:
-                    return done + i, seen
-            crop_cache(state.cache, ids.shape[1] + done + n)  # KV of every committed token but the newest
-            done += n + 1
+    executor = target_executor(target)
+    cache = None if cache_length is None else new_static_cache(model, cache_length)
+    state = StateManager(model, ids, cache)
+    first = state.prefill(executor)
+    seen = first.float() if at == 0 else None
+    if int(first.argmax()) != tokens[0]:
+        return 0, seen
+    done = 1  # tokens committed so far
+    for k, n in windows:
+        window = tokens[done - 1: done + k]
+        if len(window) < k + 1:
+            break
+        logits = model.forward(torch.tensor([window], device=model.device), state.cache, "target",
+                               executor=executor)[0]  # [k+1, V]
+        if at is not None and done <= at <= done + n:
+            seen = logits[at - done].float()
+        predicted = logits[: n + 1].argmax(dim=-1).tolist()
+        for i, (a, b) in enumerate(zip(predicted, tokens[done: done + n + 1])):
+            if a != b:
+                return done + i, seen
+        crop_cache(state.cache, ids.shape[1] + done + n)  # KV of every committed token but the newest
+        done += n + 1
     return None, seen
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from transformers import StaticCache
@@ -19,7 +19,7 @@ from specter.models.hybrid_experts import DRAFT
 from specter.draft.ahead import DraftAhead, Launched
 from specter.draft.graph import DraftGraphCache
 from specter.mechanisms import as_run, resolve
-from specter.offload.runtime import OffloadConfig, serving
+from specter.offload.runtime import OffloadConfig, offload_session
 from specter.prefetch.lookahead import ExpertLookaheadBuffer, PatternAnalyzer
 from specter.prefetch.planner import (
     EARLY_READ_FRACTION,
@@ -30,13 +30,13 @@ from specter.prefetch.planner import (
     WindowPlan,
     early_read_layer,
 )
-from specter.speculative.sampling import next_token, seeded_generator
+from specter.speculative.sampling import next_token
 from specter.speculative.state import StateManager, window_length
+from specter.speculative.call import DecodeCall
 from specter.speculative.loop import decode_windows
 from specter.speculative.request import OneRequest
 from specter.speculative.window import draft_window
 from specter.text import TextResult, generate_text
-from specter.window_accounting import WindowAccounting
 
 
 class SpecterEngine:
@@ -50,10 +50,11 @@ class SpecterEngine:
     `config` is what was asked; `self.config` what runs (`specter.mechanisms.resolve`: K resolved, a mechanism
     that cannot apply here switched off), and `self.mechanisms` says which ran and why not.
 
-    The windows of a single request (`specter.speculative.request.OneRequest`) or a batch
-    (`specter.batch.engine.BatchRequests`) run in `specter.speculative.loop.decode_windows` on this engine's
-    `begin_window`, `verifying(plan)` and `close_window`, after `begin_request` and `end_prefill`; `stats` at the
-    end. They run inside `generate`, which installs the engine's hooks on the model.
+    `begin_request(session)` starts a call (`specter.speculative.call.DecodeCall`: its offload session,
+    accounting and generator, passed to what needs them); the windows of a single request
+    (`specter.speculative.request.OneRequest`) or a batch (`specter.batch.engine.BatchRequests`) then run in
+    `specter.speculative.loop.decode_windows` on that call; `stats(call, metrics)` at the end. They run inside
+    `generate`, which opens the call's offload session and installs the engine's draft workspace.
     """
 
     name = "specter"
@@ -69,7 +70,6 @@ class SpecterEngine:
         config.check_against(model.num_experts)
         resolved = resolve(config, model)
         self.config, self.mechanisms = resolved.config, resolved.mechanisms
-        self.generator: torch.Generator | None = None
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
         self.graphs = DraftGraphCache(model, self.elb, self.config.draft_compile)
         self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()
@@ -78,10 +78,8 @@ class SpecterEngine:
             dataclasses.replace(OffloadConfig.of(self.config), keep_raw=keep_raw_experts)
         runtime = None if self.offload_config is None else self.offload_config.attach(model)  # experts to the host
         self.planner = self._planner(runtime)
-        self.session = None  # the OffloadSession of the running call
         self.ahead = DraftAhead(model, self.elb, self.config.draft_compile, self.config.k) \
             if self.config.draft_ahead else None
-        self.accounting = WindowAccounting()
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -95,13 +93,14 @@ class SpecterEngine:
         A batch (a list of prompts: token lists or tensors, any lengths) gives a list of results, one per
         request, decoded together (greedy; `specter.batch`); its `on_commit(request, tokens)` hears each
         request's commits, and a False from it ends that request there."""
-        with self._serving():
+        with self._serving() as session:
             vocab = self.model.vocab_size
             if is_batch(input_ids):
                 prompts = check_batch(input_ids, max_new_tokens, vocab, self.model.max_positions)
-                return generate_batch(self, prompts, max_new_tokens, eos_token_id, on_commit)
+                return generate_batch(self, session, prompts, max_new_tokens, eos_token_id, on_commit)
             prompt = check_prompt(input_ids, max_new_tokens, vocab, self.model.max_positions)
-            return self._generate_one(prompt, max_new_tokens, eos_token_id, on_commit or (lambda tokens: None))
+            return self._generate_one(session, prompt, max_new_tokens, eos_token_id,
+                                      on_commit or (lambda tokens: None))
 
     def generate_text(self, prompt: str, max_new_tokens: int = 128, *, chat: bool = False,
                       stream: Callable[[str], None] | None = None) -> TextResult:
@@ -109,28 +108,29 @@ class SpecterEngine:
         text streamed to `stream` as it commits (specter.text.generate_text)."""
         return generate_text(self, prompt, max_new_tokens, chat=chat, stream=stream)
 
-    def _generate_one(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None,
+    def _generate_one(self, session, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None,
                       on_commit: Callable[[list[int]], None]):
-        self.begin_request()
+        call = self.begin_request(session)
         metrics = DecodeMetrics(self.model.device)
         state = StateManager(self.model, input_ids, self._static_cache(input_ids.shape[1] + max_new_tokens))
         self.graphs.capture(None, state.cache, state.kv_length)
         from_prompt = self._draft_from_prompt(state, max_new_tokens)
-        first = int(next_token(state.prefill(), self.config, self.generator)[0])
+        first = int(next_token(state.prefill(call.executor), self.config, call.generator)[0])
         state.commit([first], kv_keep=state.kv_length)
         on_commit([first])
         metrics.commit(1)
-        self.end_prefill()
+        call.end_prefill()
         ahead = None if self.ahead is None else self.ahead.collect_prompt(from_prompt, first)
-        decode_windows(OneRequest(self, state, metrics, max_new_tokens, eos_token_id, on_commit, ahead), self)
+        decode_windows(OneRequest(self, call, state, metrics, max_new_tokens, eos_token_id, on_commit, ahead), call)
         tokens = _cut_at_eos(state.generated[:max_new_tokens], eos_token_id)
-        stats = self.stats(metrics)
+        stats = self.stats(call, metrics)
         stats["kv_cache_length"] = static_length(state.cache)  # the verify windows' KV, for a replay of them
         return GenerationResult(tokens, stats)
 
-    def draft(self, state: StateManager, k: int) -> tuple[torch.Tensor, torch.Tensor | None, WindowPlan | None]:
-        """k draft tokens [k] (and their distributions [k, V] when sampling; tokens stay on the device) and the
-        window's plan (None without prefetch or drafts).
+    def draft(self, state: StateManager, k: int, generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, WindowPlan | None]:
+        """k draft tokens [k] (and their distributions [k, V] when sampling from `generator`; tokens stay on the
+        device) and the window's plan (None without prefetch or drafts).
 
         The draft router's choices go into the lookahead counters; the planner turns them into
         prefetches at chunk boundaries (`specter.speculative.window.draft_window`).
@@ -142,7 +142,7 @@ class SpecterEngine:
             if graph is not None:
                 return graph.step_token(x)[:, 0], None  # [1]
             logits = self.model.forward(x, state.cache, DRAFT)[0, -1]  # [V]
-            return next_token(logits, self.config, self.generator)
+            return next_token(logits, self.config, generator)
 
         with state.draft_scratch():
             drafts, plan = draft_window(k, step, self.planner,
@@ -152,40 +152,23 @@ class SpecterEngine:
         tokens, probs = zip(*drafts)
         return torch.cat(tokens), (torch.stack(probs) if probs[0] is not None else None), plan
 
-    def begin_request(self) -> None:
-        """Same starting state for every request: cache emptied, counters cleared, generator seeded."""
-        if self.session is not None:
-            self.session.reset()
-        self.planner.begin_request(None if self.session is None else self.session.cache)
+    def begin_request(self, session) -> DecodeCall:
+        """Same starting state for every request (cache emptied, counters cleared); the call's runtime over the
+        offload `session` (None: every expert resident), its generator seeded."""
+        if session is not None:
+            session.reset()
+        self.planner.begin_request(None if session is None else session.cache)
         self.elb.clear()
         if self.ahead is not None:
             self.ahead.reset()
-        self.accounting = WindowAccounting(self.session)
-        self.generator = seeded_generator(self.config, self.model.device)
+        return DecodeCall.start(session, self.config, self.model.device)
 
-    def end_prefill(self) -> None:
-        """The prefill is not a verify window (its copies are counted apart)."""
-        self.accounting.end_prefill()
-
-    def begin_window(self) -> None:
-        """A window begins: its resident experts (I/O floor) and the cache's window for reload counts."""
-        self.accounting.begin_window()
-        if self.session is not None:
-            self.session.cache.begin_window()
-
-    def verifying(self, plan: WindowPlan | None):
-        """Context of the window's target pass: the residency manager verifies with `plan`."""
-        return self.session.residency.verifying(plan) if self.session is not None else nullcontext()
-
-    def close_window(self, plan: WindowPlan | None, committed=None) -> None:
-        """After a window's commit: the target's routing against the plan, the working set and the I/O floor."""
-        self.accounting.close_window(plan)
-
-    def stats(self, metrics: DecodeMetrics, batched: bool = False, graph_status: str | None = None) -> dict:
+    def stats(self, call: DecodeCall, metrics: DecodeMetrics, batched: bool = False,
+              graph_status: str | None = None) -> dict:
         """The request's stats (`metrics`: its decode metrics, or a batch's first request's), with `mechanisms`:
         each mechanism's state in this call ("on" or "off: why"; `graph_status`: the draft step's capture,
         default the single request's)."""
-        stats = self.accounting.stats(metrics, self.planner.traces, copy_idle=True)
+        stats = call.accounting.stats(metrics, self.planner.traces, copy_idle=True)
         stats["draft_graph"] = self.graphs.status(None) if graph_status is None else graph_status
         mechanisms = as_run(self.mechanisms, stats["draft_graph"])
         if batched and mechanisms["draft_ahead"] == "on":
@@ -196,18 +179,14 @@ class SpecterEngine:
         return stats
 
     @contextmanager
-    def _serving(self) -> Iterator[None]:
-        """The engine's hooks on the shared model for one call: its draft workspace on every layer and, when
-        offloaded, its cache and residency manager (offload.runtime.serving)."""
+    def _serving(self) -> Iterator:
+        """The engine's draft workspace on every layer of the shared model for one call (its captured draft graphs
+        point into it); yields the call's offload session (offload.runtime.offload_session: its cache and
+        residency manager; None: every expert resident)."""
         config = self.offload_config
-        offload = nullcontext() if config is None else serving(self.model, config, self.verify_workspace)
-        experts_hooks = attributes_set(self.model.experts, draft_workspace=self.draft_workspace)
-        with experts_hooks, offload as session:
-            self.session = session
-            try:
-                yield
-            finally:
-                self.session = None
+        session = None if config is None else offload_session(self.model, config, self.verify_workspace)
+        with attributes_set(self.model.experts, draft_workspace=self.draft_workspace):
+            yield session
 
     def _planner(self, runtime):
         """The prefetch planner over the offload runtime's cache, or NoPrefetch (nothing offloaded, or prefetch

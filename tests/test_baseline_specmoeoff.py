@@ -5,7 +5,7 @@ import torch
 import specter
 from baselines.specmoeoff import SpecMoEOff, SpecMoEOffConfig, make_specmoeoff_sc, make_specmoeoff_sm
 from baselines.specmoeoff.draft_model import draft_tensors
-from baselines.specmoeoff.engine import OneRequest
+from baselines.specmoeoff.windows import OneRequest
 from baselines.specmoeoff.k_optimizer import CostModel, best_k, expected_distinct, expected_tokens, time_per_token
 from baselines.specmoeoff.memory_policy import draft_copy_bytes, matched_memory_slots
 from baselines.target_only import TargetOnly
@@ -50,13 +50,11 @@ def test_draft_and_target_share_no_weights_and_no_kv():
     system = make_specmoeoff_sc(model, HIGH, fixed_k=3)
     draft = system.draft_model
     assert torch.equal(draft.forward(ids, None), model.forward(ids, None, "draft"))  # the same draft, a copy
-    with system.serving():
-        system.begin_request()
-        target_state, draft_state = system.prefill(ids, NEW)
-        request = OneRequest(system, target_state, draft_state, DecodeMetrics(model.device), NEW)
-        drafted, plan = request.draft(3)
-        with system.verifying(plan):
-            request.commit(3, request.verify(drafted))
+    call = system.begin_request(system.serving())
+    target_state, draft_state = system.prefill(call, ids, NEW)
+    request = OneRequest(system, call, target_state, draft_state, DecodeMetrics(model.device), NEW)
+    drafted, plan = request.draft(3)
+    request.commit(3, request.verify(drafted, call.verifier(plan)))
     runtime = model.offload
     target = [*model.hf.parameters(), *model.hf.buffers(), runtime.cache.pool, *runtime.store.buffers]
     assert not storages(draft_tensors(draft)) & storages(target)

@@ -187,14 +187,14 @@ def test_residency_waves_with_the_slot_kernel_equal_the_reference():
         routing = [make_routing(4, experts, top_k, gen) for _ in range(layers)]
         weights = torch.rand(4, top_k, generator=gen).softmax(-1)
         plan = plan_of({layer: random_plan(rng, set(routing[layer].reshape(-1).tolist())) for layer in range(layers)})
-        with manager.verifying(plan):
-            for layer in range(layers):
-                module = SimpleNamespace(**{**vars(layer_module(layer)), "num_experts": experts,
-                                            "intermediate_dim": inter})
-                out = manager(module, x, routing[layer], weights)
-                weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
-                ref = expert_wise_moe(x, routing[layer], weights, weights_of, experts, SILU)
-                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        verify = manager.window(plan)
+        for layer in range(layers):
+            module = SimpleNamespace(**{**vars(layer_module(layer)), "num_experts": experts,
+                                        "intermediate_dim": inter})
+            out = verify(module, x, routing[layer], weights)
+            weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+            ref = expert_wise_moe(x, routing[layer], weights, weights_of, experts, SILU)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
         manager.take_demand()
 
 

@@ -69,7 +69,7 @@ def test_seeded_builds_for_cuda_default_to_bfloat16(weights, monkeypatch):
     from specter.models import loading
     seen = []
 
-    def stop(spec, config, device, dtype, experts_on_host):
+    def stop(spec, config, device, dtype, experts_on_host, **_):
         seen.append(dtype)
         raise SpecterError("stop before building")
     monkeypatch.setattr(loading, "check_build_memory", stop)

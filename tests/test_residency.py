@@ -62,16 +62,16 @@ def test_random_plans_give_the_reference_output_and_consistent_counters(slots):
         routing = [torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]) for _ in range(LAYERS)]
         weights = torch.rand(tokens, TOP_K).softmax(-1)
         plan = plan_of({layer: random_plan(rng, set(routing[layer].reshape(-1).tolist())) for layer in range(LAYERS)})
-        with manager.verifying(plan):
-            for layer in range(LAYERS):
-                before = cache.counters.as_dict()
-                out = manager(layer_module(layer), hidden, routing[layer], weights)
-                weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
-                ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
-                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-                delta = {key: cache.counters.as_dict()[key] - before[key] for key in before}
-                assert delta["hits"] + delta["misses"] == len(set(routing[layer].reshape(-1).tolist()))
-                assert all(p == 0 for p in cache.layers[layer].protected)  # every slot released
+        verify = manager.window(plan)
+        for layer in range(LAYERS):
+            before = cache.counters.as_dict()
+            out = verify(layer_module(layer), hidden, routing[layer], weights)
+            weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+            ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            delta = {key: cache.counters.as_dict()[key] - before[key] for key in before}
+            assert delta["hits"] + delta["misses"] == len(set(routing[layer].reshape(-1).tolist()))
+            assert all(p == 0 for p in cache.layers[layer].protected)  # every slot released
         manager.take_demand()
     copies = cache.streams.stats()["h2d_copies"]
     assert copies == cache.counters.misses + cache.counters.wasted_loads  # each copy: a miss or a wrong guess
@@ -93,15 +93,15 @@ def test_spare_slots_stream_wider_waves_with_the_reference_output(slots, spare_r
         hidden, weights = torch.randn(tokens, HIDDEN), torch.rand(tokens, TOP_K).softmax(-1)
         routing = [torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]) for _ in range(LAYERS)]
         plan = plan_of({layer: random_plan(rng, set(routing[layer].reshape(-1).tolist())) for layer in range(LAYERS)})
-        with manager.verifying(plan):
-            for layer in range(LAYERS):
-                out = manager(layer_module(layer), hidden, routing[layer], weights)
-                weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
-                ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
-                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-                slots_of = cache.layers[layer]
-                assert all(p == 0 for p in slots_of.protected)
-                assert sum(row is not None for row in slots_of.rows) <= slots
+        verify = manager.window(plan)
+        for layer in range(LAYERS):
+            out = verify(layer_module(layer), hidden, routing[layer], weights)
+            weights_of = lambda e, layer=layer: store.split(store.expert(layer, e))  # noqa: E731
+            ref = expert_wise_moe(hidden, routing[layer], weights, weights_of, EXPERTS, torch.nn.functional.silu)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            slots_of = cache.layers[layer]
+            assert all(p == 0 for p in slots_of.protected)
+            assert sum(row is not None for row in slots_of.rows) <= slots
     assert max(sizes) == wave_size(wave, slots + spare_rows) and len(cache.spares) <= spare_rows
 
 
@@ -114,8 +114,8 @@ def test_waves_are_half_the_slots_and_freed_slots_load_before_the_next_wave():
     manager._run_wave = lambda step, wave: (events.append(("run", [e for e, _ in wave])), run_wave(step, wave))
     cache.load = lambda layer, expert, slot=None: (events.append(("load", expert)), load(layer, expert, slot))[1]
     routing = torch.tensor([[0, 4], [1, 5], [2, 6], [3, 7]])  # [T, k]: every expert once
-    with manager.verifying(plan_of({0: [4, 5, 6, 7]})):
-        manager(layer_module(0), torch.randn(4, HIDDEN), routing, torch.full((4, 2), 0.5))
+    verify = manager.window(plan_of({0: [4, 5, 6, 7]}))
+    verify(layer_module(0), torch.randn(4, HIDDEN), routing, torch.full((4, 2), 0.5))
     assert events == [("run", [0, 1]), ("load", 4), ("load", 5), ("run", [2, 3]), ("load", 6), ("load", 7),
                       ("run", [4, 5]), ("run", [6, 7])]
 
@@ -125,13 +125,13 @@ def test_a_wave_never_mixes_loaded_experts_with_ones_loaded_ahead():
     cache, runs = manager.cache, []
     for expert in (0, 1):  # resident before the layer
         cache.release(0, cache.acquire(0, expert))
-    with manager.verifying(plan_of({0: [0, 1, 2, 3, 4]})):
-        manager._load_ahead(0)  # as the previous layer does: 2 and 3 go into the free slots, still in flight
-        assert manager.loaded_ahead == {0: {2, 3}}
-        run_wave = manager._run_wave
-        manager._run_wave = lambda step, wave: (runs.append(sorted(e for e, _ in wave)), run_wave(step, wave))
-        routing = torch.tensor([[0, 4], [1, 2], [3, 4]])  # [T, k]
-        manager(layer_module(0), torch.randn(3, HIDDEN), routing, torch.full((3, 2), 0.5))
+    verify = manager.window(plan_of({0: [0, 1, 2, 3, 4]}))
+    manager._load_ahead(0, verify.plan)  # as the previous layer does: 2 and 3 go into the free slots, still in flight
+    assert manager.loaded_ahead == {0: {2, 3}}
+    run_wave = manager._run_wave
+    manager._run_wave = lambda step, wave: (runs.append(sorted(e for e, _ in wave)), run_wave(step, wave))
+    routing = torch.tensor([[0, 4], [1, 2], [3, 4]])  # [T, k]
+    verify(layer_module(0), torch.randn(3, HIDDEN), routing, torch.full((3, 2), 0.5))
     assert runs == [[0, 1], [2, 3, 4]]  # not [0, 1, 2, 3]: the loaded pair does not wait for the copies
 
 
@@ -142,12 +142,12 @@ def test_wave_size_and_layers_ahead_are_options(wave, ahead):
     run_wave = manager._run_wave
     manager._run_wave = lambda step, w: (sizes.append(len(w)), run_wave(step, w))
     routing = torch.tensor([[4, 5], [6, 7]])
-    with manager.verifying(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)})):  # none of it resident yet
-        manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
+    verify = manager.window(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)}))  # none of it resident yet
+    verify(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
     assert max(sizes) == (wave if wave > 0 else 4)  # -1: every one of the 4 slots
     assert sorted(manager.loaded_ahead) == list(range(1, 1 + ahead))  # layers 1..ahead started their plans
     assert cache.counters.loads_ahead == 4 * ahead
-    assert manager.plan is None  # the plan is the window's only
+    assert not hasattr(manager, "plan")  # the plan is the window's executor's only (PlannedVerify)
 
 
 def test_a_wave_row_map_holds_each_wave_expert_row_and_minus_one_elsewhere():
@@ -173,8 +173,8 @@ def test_deferred_loads_start_before_the_router_wait_and_after_the_loads_ahead()
     cache.load_ahead = lambda *args: (events.append("ahead"), load_ahead(*args))[1]
     cache.start_loads = lambda: (events.append("start"), start())
     routing = torch.tensor([[4, 5], [6, 7]])
-    with manager.verifying(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)})):
-        manager(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
+    verify = manager.window(plan_of({layer: [4, 5, 6, 7] for layer in range(LAYERS)}))
+    verify(layer_module(0), torch.randn(2, HIDDEN), routing, torch.full((2, 2), 0.5))
     assert events == ["start", "wave", "wave", "start", "ahead", "ahead", "ahead", "ahead", "start"]
 
 
@@ -196,10 +196,10 @@ def test_token_wise_verification_stacks_its_rows_once_per_layer():
     manager, store = make_runtime(EXPERTS, seed=3, expert_wise=False)
     hidden, routing = torch.randn(5, HIDDEN), torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(5)])
     weights = torch.rand(5, TOP_K).softmax(-1)
-    with manager.verifying(None):
-        manager(layer_module(0), hidden, routing, weights)  # every routed expert loads once
-        with Ops() as ops:
-            out = manager(layer_module(0), hidden, routing, weights)  # all resident: no copy at all
+    verify = manager.window(None)
+    verify(layer_module(0), hidden, routing, weights)  # every routed expert loads once
+    with Ops() as ops:
+        out = verify(layer_module(0), hidden, routing, weights)  # all resident: no copy at all
     weights_of = lambda e: store.split(store.expert(0, e))  # noqa: E731
     ref = expert_wise_moe(hidden, routing, weights, weights_of, EXPERTS, torch.nn.functional.silu)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

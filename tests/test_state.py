@@ -24,13 +24,13 @@ def test_kv_after_speculation_matches_fresh_forward(tiny_name):
     engine = specter.SpecterEngine(model, specter.SpecterConfig(k=5))
     state = StateManager(model, prompt())
     state.commit([int(state.prefill().argmax())], kv_keep=state.kv_length)
-    request = OneRequest(engine, state, DecodeMetrics(model.device), 1000, None, lambda tokens: None)
+    call = engine.begin_request(None)
+    request = OneRequest(engine, call, state, DecodeMetrics(model.device), 1000, None, lambda tokens: None)
     rejected_once = False
     for _ in range(6):  # the window loop's steps (speculative.loop), one window at a time
         k = request.next_window()
         drafted, plan = request.draft(k)
-        with engine.verifying(plan):
-            verified = request.verify(drafted)
+        verified = request.verify(drafted, call.verifier(plan))
         request.commit(k, verified)
         rejected_once |= verified[0] < 5
         assert state.cache.get_seq_length() == len(state.tokens) - 1  # all but the one uncached token

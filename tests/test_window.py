@@ -77,14 +77,12 @@ class Requests:
         self.calls.append(("draft", k))
         return f"drafts{k}", f"plan{k}"
 
-    @contextmanager
-    def verifying(self, plan):
-        self.calls.append(("verifying", plan))
-        yield
-        self.calls.append(("verified", plan))
+    def verifier(self, plan):
+        self.calls.append(("verifier", plan))
+        return f"executor-{plan}"
 
-    def verify(self, drafts):
-        self.calls.append(("verify", drafts))
+    def verify(self, drafts, executor):
+        self.calls.append(("verify", drafts, executor))
         return f"accepted-{drafts}"
 
     def commit(self, k, verified):
@@ -98,20 +96,30 @@ class Requests:
         self.calls.append(("close", plan, committed))
 
 
-def test_the_window_loop_drafts_verifies_inside_the_plan_and_commits_until_done():
+def test_the_window_loop_drafts_verifies_through_the_plans_executor_and_commits_until_done():
     log = Requests()
     assert decode_windows(log, log) == 2
-    window = [("begin",), ("draft", 3), ("verifying", "plan3"), ("verify", "drafts3"), ("verified", "plan3"),
+    window = [("begin",), ("draft", 3), ("verifier", "plan3"), ("verify", "drafts3", "executor-plan3"),
               ("commit", 3, "accepted-drafts3"), ("close", "plan3", "window3")]
     assert log.calls == window + [(c[0], *(str(x).replace("3", "2") if not isinstance(x, int) else 2
                                              for x in c[1:])) for c in window]
 
 
 def test_no_decode_loop_rewrites_the_window():
-    """Only specter/speculative/loop.py runs a target pass inside a window's plan (`with ... .verifying(`): the
-    systems' `verifying` only hands their residency manager's context over. The benchmarks of the host path
-    drive the residency manager directly and are not decode loops."""
-    calls = re.compile(r"with [^\n]*\.verifying\(")
+    """Only specter/speculative/loop.py asks a system for a window's target executor (`.verifier(`): no other
+    decode path verifies a window's drafts with its plan. (The benchmarks of the host path drive the residency
+    manager directly and are not decode loops.)"""
+    calls = re.compile(r"\.verifier\(")
     found = [str(path.relative_to(ROOT)) for package in ("specter", "baselines", "experiments")
              for path in sorted((ROOT / package).rglob("*.py")) if calls.search(path.read_text())]
     assert found == ["specter/speculative/loop.py"], found
+
+
+def test_no_shared_object_is_installed_on_the_target_path():
+    """The target's executor and a window's plan are passed to each target forward (HybridMoEModel.forward's
+    `executor`), never installed by a system for its call: no `attributes_set` of a `target_executor` and no
+    `verifying` context anywhere in the package, the baselines or the harness."""
+    installed = re.compile(r"attributes_set\([^)]*target_executor|def verifying\(|\.verifying\(")
+    found = [str(path.relative_to(ROOT)) for package in ("specter", "baselines", "experiments")
+             for path in sorted((ROOT / package).rglob("*.py")) if installed.search(path.read_text())]
+    assert found == [], found

@@ -8,13 +8,15 @@ STEADY_VARIANCE = 0.25  # below this spread of verified-token counts the pass/to
 
 @dataclass
 class Window:
-    """One speculative iteration as measured: k drafted, n accepted, tokens committed, wall ms, draft ms/step."""
+    """One speculative iteration as measured: k drafted, n accepted, tokens committed, wall ms, draft ms/step,
+    experts loaded."""
 
     k: int
     accepted: int
     tokens: list[int]
     ms: float
     draft_ms: float | None
+    loads: int = 0
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -5,7 +5,6 @@ import time
 
 import torch
 
-from baselines.specmoeoff.k_optimizer import Window
 from specter.batch.engine import active_requests, batch_results, generated_tokens
 from specter.batch.state import BatchState, refuse_rope_switch
 from specter.errors import SpecterError
@@ -26,8 +25,9 @@ class Microbatch:
         self.target, self.draft = BatchState(engine.model, prompts), BatchState(engine.draft_model, prompts)
         self.metrics = [DecodeMetrics(engine.model.device) for _ in prompts]
 
-    def prefill(self) -> None:
-        first = self.target.prefill().argmax(dim=-1).tolist()  # [b]
+    def prefill(self, executor) -> None:
+        """Both states prefill their prompts (the target's routed experts through `executor`)."""
+        first = self.target.prefill(executor).argmax(dim=-1).tolist()  # [b]
         self.draft.prefill()
         for state in (self.target, self.draft):
             state.commit_first(first)
@@ -68,28 +68,29 @@ class Microbatch:
         return logits[:, -1].argmax(dim=-1, keepdim=True)  # [b, 1]
 
 
-def generate_microbatches(engine, prompts: list[torch.Tensor], max_new_tokens: int) -> list[GenerationResult]:
+def generate_microbatches(engine, session, prompts: list[torch.Tensor],
+                          max_new_tokens: int) -> list[GenerationResult]:
     """Greedy decoding of the batch as two microbatches taking turns (one speculative iteration each) on
     the shared LRU cache, K from the cost model; the turns run one after the other on the device."""
     if not engine.config.greedy:
         raise SpecterError("batched decoding is greedy only: use temperature=0")
     refuse_rope_switch(engine.model, prompts, max_new_tokens)
-    engine.begin_request()
+    call = engine.begin_request(session)
     half = (len(prompts) + 1) // MICROBATCHES
     micro = [Microbatch(engine, part) for part in (prompts[:half], prompts[half:]) if part]
     for m in micro:
-        m.prefill()
-    engine.end_prefill()
-    decode_windows(TakingTurns(engine, micro, max_new_tokens), engine)
-    return _combined(engine, micro, max_new_tokens)
+        m.prefill(call.executor)
+    call.end_prefill()
+    decode_windows(TakingTurns(engine, call, micro, max_new_tokens), call)
+    return _combined(engine, call, micro, max_new_tokens)
 
 
 class TakingTurns:
     """The microbatches as the window loop drives them: one window each in turn, skipping those that are done;
     K from the engine's cost model."""
 
-    def __init__(self, engine, micro: list[Microbatch], max_new_tokens: int) -> None:
-        self.engine, self.micro, self.max_new_tokens = engine, micro, max_new_tokens
+    def __init__(self, engine, call, micro: list[Microbatch], max_new_tokens: int) -> None:
+        self.engine, self.call, self.micro, self.max_new_tokens = engine, call, micro, max_new_tokens
         self.turn = -1  # the microbatch whose window runs
 
     def next_window(self) -> int | None:
@@ -104,26 +105,26 @@ class TakingTurns:
         return None
 
     def draft(self, k: int) -> tuple[tuple, object]:
-        """(the microbatch, its drafts [b, k], which requests were active, the window's start), the plan."""
-        m, started = self.micro[self.turn], time.perf_counter()
+        """(the microbatch, its drafts [b, k], which requests were active, the window's start and loads so far),
+        the plan."""
+        m, started = self.micro[self.turn], (time.perf_counter(), self.call.loads)
         active = m.active(self.max_new_tokens)
         drafts, plan = m.make_drafts(k)
         return (m, drafts, active, started), plan
 
-    def verify(self, drafted: tuple) -> tuple:
-        """Token-wise verification of the microbatch's k + 1 positions (the engine's residency manager)."""
+    def verify(self, drafted: tuple, executor) -> tuple:
+        """Token-wise verification of the microbatch's k + 1 positions through the window's `executor`."""
         m, drafts, active, started = drafted
-        return m, verify_batch(self.engine.model, m.target, drafts), active, started
+        return m, verify_batch(self.engine.model, m.target, drafts, executor), active, started
 
-    def commit(self, k: int, verified: tuple) -> Window:
+    def commit(self, k: int, verified: tuple):
         m, outcome, active, started = verified
         accepted = m.commit(k, active, outcome)
-        mean_accepted = round(sum(accepted) / len(accepted))
-        return Window(k, mean_accepted, [], (time.perf_counter() - started) * 1e3, None)
+        return self.call.window(k, round(sum(accepted) / len(accepted)), [], started, None)
 
 
-def _combined(engine, micro: list[Microbatch], max_new_tokens: int) -> list[GenerationResult]:
-    shared = {**engine.stats(micro[0].metrics[0]), "microbatches": len(micro)}  # per-request keys give way
+def _combined(engine, call, micro: list[Microbatch], max_new_tokens: int) -> list[GenerationResult]:
+    shared = {**engine.stats(call, micro[0].metrics[0]), "microbatches": len(micro)}  # per-request keys give way
     generated = [tokens for m in micro for tokens in generated_tokens(m.target)]
     return batch_results(generated, [x for m in micro for x in m.metrics], max_new_tokens, None, shared)
 

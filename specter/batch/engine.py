@@ -20,9 +20,10 @@ from .state import BatchState, refuse_rope_switch
 BatchCommit = Callable[[int, list[int]], "bool | None"]  # (request, its tokens just committed); False: it ends
 
 
-def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_id: int | None = None,
-                   on_commit: BatchCommit | None = None) -> list[GenerationResult]:
-    """Greedy speculative decoding of B requests on one shared cache; one result per request.
+def generate_batch(engine, session, prompts: list[torch.Tensor], max_new_tokens: int,
+                   eos_token_id: int | None = None, on_commit: BatchCommit | None = None) -> list[GenerationResult]:
+    """Greedy speculative decoding of B requests on one shared cache (the call's offload `session`; None: every
+    expert resident); one result per request.
 
     Every pass drafts k tokens for all requests in lockstep (the lookahead counters and the prefetch
     plan see the whole batch's routing) and verifies k + 1 positions of all requests in one target
@@ -34,19 +35,19 @@ def generate_batch(engine, prompts: list[torch.Tensor], max_new_tokens: int, eos
     """
     if not engine.config.greedy:
         raise SpecterError("batched decoding is greedy only: use temperature=0")
-    engine.begin_request()
+    call = engine.begin_request(session)
     refuse_rope_switch(engine.model, prompts, max_new_tokens)
     state = BatchState(engine.model, prompts, static_batch_cache(engine, prompts, max_new_tokens))
     metrics = [DecodeMetrics(engine.model.device) for _ in prompts]
-    first = state.prefill().argmax(dim=-1).tolist()  # [B]
+    first = state.prefill(call.executor).argmax(dim=-1).tolist()  # [B]
     state.commit_first(first)
     commit = on_commit or (lambda request, tokens: None)
     ended = [commit(r, [token]) is False for r, token in enumerate(first)]  # what on_commit stopped
     for m in metrics:
         m.commit(1)
-    engine.end_prefill()
-    decode_windows(BatchRequests(engine, state, metrics, max_new_tokens, eos_token_id, commit, ended), engine)
-    return _results(engine, state, metrics, max_new_tokens, eos_token_id)
+    call.end_prefill()
+    decode_windows(BatchRequests(engine, state, metrics, max_new_tokens, eos_token_id, commit, ended), call)
+    return _results(engine, call, state, metrics, max_new_tokens, eos_token_id)
 
 
 @dataclass
@@ -78,10 +79,11 @@ class BatchRequests:
         self.state.make_room(k + 1)
         return draft(self.engine, self.state, k, self.metrics)
 
-    def verify(self, drafts: torch.Tensor) -> list[tuple[int, list[int]]]:
-        """(accepted, tokens to commit) per request, a request already done keeping no KV and committing nothing."""
+    def verify(self, drafts: torch.Tensor, executor) -> list[tuple[int, list[int]]]:
+        """(accepted, tokens to commit) per request (routed experts through the window's `executor`), a request
+        already done keeping no KV and committing nothing."""
         _phase(self.metrics, "verify", DecodeMetrics.begin)
-        outcome = verify_batch(self.engine.model, self.state, drafts)
+        outcome = verify_batch(self.engine.model, self.state, drafts, executor)
         _phase(self.metrics, "verify", DecodeMetrics.end)
         active = self.active()
         return [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]
@@ -148,11 +150,12 @@ def active_requests(state: BatchState, max_new_tokens: int, eos: int | None,
             and not (ended is not None and ended[r]) for r in range(state.batch_size)]
 
 
-def _results(engine, state: BatchState, metrics: list, max_new_tokens: int, eos: int | None) -> list[GenerationResult]:
+def _results(engine, call, state: BatchState, metrics: list, max_new_tokens: int,
+             eos: int | None) -> list[GenerationResult]:
     """Per request: its tokens and metrics, plus the shared cache's stats."""
     eager = "off: eager (no static batch cache)"
     status = engine.graphs.status(state.batch_size) if state.static is not None else eager
-    shared = engine.stats(metrics[0], batched=True, graph_status=status)
+    shared = engine.stats(call, metrics[0], batched=True, graph_status=status)
     return batch_results(generated_tokens(state), metrics, max_new_tokens, eos, shared)
 
 

@@ -70,9 +70,10 @@ class BatchState:
     def generated(self, request: int) -> list[int]:
         return self.tokens[request][self.prompt_lengths[request]:]
 
-    def prefill(self) -> torch.Tensor:
+    def prefill(self, executor=None) -> torch.Tensor:
         """All prompts in one target forward, left-padded (each expert is loaded once for the whole batch,
-        not once per request); returns the last position's logits [B, V]."""
+        not once per request; through `executor`, None: the model's own); returns the last position's logits
+        [B, V]."""
         width = max(self.prompt_lengths)
         ids = torch.zeros(self.batch_size, width, dtype=torch.long, device=self.device)  # [B, width]
         self.mask = torch.zeros(self.batch_size, width, dtype=torch.long, device=self.device)
@@ -82,7 +83,7 @@ class BatchState:
         positions = (self.mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, width]: each request from 0
         self.cache = DynamicCache(config=self.model.hf.config)
         bias = self._bias_4d(self.mask, width, width)  # padding rows see only themselves: never all masked
-        logits = self.model.forward(ids, self.cache, TARGET, bias, positions)[:, -1]  # [B, V]
+        logits = self.model.forward(ids, self.cache, TARGET, bias, positions, executor)[:, -1]  # [B, V]
         if self.static is not None and fill_static(self.static, self.cache):
             self.cache = self.static
         else:

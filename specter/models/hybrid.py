@@ -101,17 +101,37 @@ class HybridMoEModel:
         for module in self.experts:
             module.mode = name
 
+    @contextmanager
+    def executing(self, executor) -> Iterator[None]:
+        """The enclosed target forwards run each routed-experts layer through `executor(module, hidden, top_k_index,
+        top_k_weights)`; each layer's own afterwards (its device experts, or the offload runtime's manager)."""
+        previous = [module.target_executor for module in self.experts]
+        for module in self.experts:
+            module.target_executor = executor
+        try:
+            yield
+        finally:
+            for module, own in zip(self.experts, previous):
+                module.target_executor = own
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, mode: str = TARGET, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, executor=None) -> torch.Tensor:
         """Logits [B, T, V] of `input_ids` [B, T] appended to `cache` (which it extends).
 
         Batched decoding passes `attention_mask` [B, cached + T] (0 = a hole: padding or a rejected
-        position) and each request's own `position_ids` [B, T].
+        position) and each request's own `position_ids` [B, T]. `executor`: what runs a target forward's routed
+        experts (a system's residency manager, or its window's `PlannedVerify`; None: each layer's own).
         """
-        with self.mode(mode):
-            return self.hf(input_ids=input_ids, past_key_values=cache, use_cache=True, attention_mask=attention_mask,
-                           position_ids=position_ids).logits
+        if executor is None or mode != TARGET:
+            with self.mode(mode):
+                return self._logits(input_ids, cache, attention_mask, position_ids)
+        with self.mode(mode), self.executing(executor):
+            return self._logits(input_ids, cache, attention_mask, position_ids)
+
+    def _logits(self, input_ids, cache, attention_mask, position_ids) -> torch.Tensor:
+        return self.hf(input_ids=input_ids, past_key_values=cache, use_cache=True, attention_mask=attention_mask,
+                       position_ids=position_ids).logits
 
     def shared_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors both modes read: everything except the routed experts."""

@@ -27,8 +27,9 @@ class HybridExperts(nn.Module):
     """Same forward signature as the HF module it replaces: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]).
 
     mode "draft": INT4 weights (GPTQ layout) through the draft expert kernel; routing is reported to the
-    observer (the expert lookahead buffer). mode "target": the full-precision experts, expert-wise, or
-    through `target_executor` when the offload runtime installs one.
+    observer (the expert lookahead buffer). mode "target": the full-precision experts, expert-wise, or through
+    `target_executor` once they are offloaded (the runtime's residency manager, or the executor a target forward
+    was given: HybridMoEModel.forward(executor=...)).
     """
 
     def __init__(self, moe_layer: int, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn) -> None:

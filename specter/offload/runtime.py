@@ -1,15 +1,12 @@
 """Attach the offload runtime to a hybrid model: FP experts to the host store, a slot cache, residency managers."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
-from specter.hooks import attributes_set
 from specter.kernels.moe_align import MoEWorkspace
 from specter.offload.coded_slots import CodedSlots, coded_rows
 from specter.offload.eviction import RoutingCounts, make_policy
@@ -156,6 +153,7 @@ def offload_experts(model, slots: int, eviction: str = "lru", spare_rows: int = 
                                                 store.expert_bytes, residuals.max_blob_words * 4)
     key = (slots, eviction, spare_rows, residual, DECODE_GROUP if residual else None, pooled, scratch)
     if runtime is not None and runtime.cache.key == key:
+        runtime.streams.group_copies = residual
         return runtime
     if runtime is None:
         streams = DeviceStreams(model.device)
@@ -173,21 +171,17 @@ def offload_experts(model, slots: int, eviction: str = "lru", spare_rows: int = 
     runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals)
     for module in model.experts:
         module.target_executor = residency
+    streams.group_copies = residual  # a decode group's residual copies are issued together
     model.offload = runtime
     return runtime
 
 
-@contextmanager
-def serving(model, config: OffloadConfig, workspace: MoEWorkspace) -> Iterator[OffloadSession]:
-    """For the duration of one call: the model's runtime with `config`'s cache (rebuilt if another system
-    left another one), a residency manager with `config.verify` and `workspace` as every layer's target
-    executor, and with residual transfer a decode group's copies issued together; the model's previous
-    executors and stream settings afterwards."""
+def offload_session(model, config: OffloadConfig, workspace: MoEWorkspace) -> OffloadSession:
+    """One system's session for one call: the model's runtime with `config`'s cache (rebuilt if another system
+    left another one) and a residency manager with `config.verify` and `workspace`, which the system passes to
+    its target forwards (`session.residency`, or a window's `session.residency.window(plan)`)."""
     runtime = config.attach(model)
-    residency = ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace)
-    with attributes_set(model.experts, target_executor=residency), \
-            attributes_set([runtime.streams], group_copies=config.residual):
-        yield OffloadSession(runtime, residency)
+    return OffloadSession(runtime, ResidencyManager(runtime.cache, runtime.routing, config.verify, workspace))
 
 
 def release_device_memory() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from specter.metrics import DecodeMetrics
+from specter.speculative.call import DecodeCall
 from specter.speculative.state import StateManager
 from specter.speculative.window import plan_drafted_window
 from specter.verify.accept import verify_and_accept
@@ -26,10 +27,11 @@ class Drafted:
 
 @dataclass
 class OneRequest:
-    """A single request after its prefill: its state, metrics and stream (`on_commit`), and the next window's
-    drafts when the draft-ahead made them during the last verify pass (`ahead`)."""
+    """A single request after its prefill on `engine` in `call`: its state, metrics and stream (`on_commit`), and
+    the next window's drafts when the draft-ahead made them during the last verify pass (`ahead`)."""
 
     engine: Any  # the SpecterEngine
+    call: DecodeCall
     state: StateManager
     metrics: DecodeMetrics
     max_new_tokens: int
@@ -58,20 +60,20 @@ class OneRequest:
         if taken is not None:
             drafted, plan = Drafted(taken.tokens, None, taken), plan_drafted_window(engine.planner, k)
         else:
-            tokens, probs, plan = engine.draft(self.state, k)
+            tokens, probs, plan = engine.draft(self.state, k, self.call.generator)
             drafted = Drafted(tokens, probs)
         self.metrics.end("draft")
         return drafted, plan
 
-    def verify(self, drafted: Drafted) -> tuple[int, list[int]]:
-        """The target over the k + 1 positions, the draft-ahead drafting the next window meanwhile (side stream);
-        (drafts accepted, tokens to commit)."""
+    def verify(self, drafted: Drafted, executor) -> tuple[int, list[int]]:
+        """The target over the k + 1 positions (routed experts through the window's `executor`), the draft-ahead
+        drafting the next window meanwhile (side stream); (drafts accepted, tokens to commit)."""
         engine, state, k = self.engine, self.state, drafted.tokens.numel()
         self.metrics.begin("verify")
         launched = None if engine.ahead is None else engine.ahead.launch(state, drafted.tokens, drafted.ahead,
                                                                          self.remaining)
         accepted, new_tokens = verify_and_accept(engine.model, state, drafted.tokens, drafted.probs, engine.config,
-                                                 engine.generator)
+                                                 self.call.generator, executor)
         self.ahead = None if engine.ahead is None else engine.ahead.collect(launched, k, accepted, new_tokens)
         self.metrics.end("verify")
         return accepted, new_tokens

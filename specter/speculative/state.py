@@ -102,9 +102,10 @@ class StateManager:
             return 0
         return window_length(k, self.kv_length, self.switch)
 
-    def prefill(self) -> torch.Tensor:
-        """Target forward over the prompt; returns the last position's logits [V]."""
-        logits = self.model.forward(self.uncached(), self.cache, "target")
+    def prefill(self, executor=None) -> torch.Tensor:
+        """Target forward over the prompt (routed experts through `executor`; None: the model's own); returns the
+        last position's logits [V]."""
+        logits = self.model.forward(self.uncached(), self.cache, "target", executor=executor)
         self.kv_length = self.prompt_length
         return logits[0, -1]
 

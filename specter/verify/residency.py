@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import mean
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -73,7 +72,6 @@ class ResidencyManager:
                  workspace: MoEWorkspace) -> None:
         self.cache, self.routing, self.options, self.workspace = cache, routing, options, workspace
         self.slot_kernel: bool | None = None  # waves in Triton; None: on CUDA (the torch reference elsewhere)
-        self.plan = None  # the WindowPlan of the window being verified (None: load on demand)
         self.reset()
 
     def reset(self) -> None:
@@ -84,29 +82,32 @@ class ResidencyManager:
         self.host_load_ms = self.host_wave_ms = 0.0  # of it: issuing loads, and launching waves
         self.waves = 0  # verify waves launched (slot-kernel calls)
 
-    @contextmanager
-    def verifying(self, plan) -> Iterator[None]:
-        """Verify one window with `plan` (prefetch.planner.WindowPlan, or None: load on demand) inside the block."""
-        self.plan = plan
-        try:
-            yield
-        finally:
-            self.plan = None
+    def window(self, plan) -> PlannedVerify:
+        """The target executor of one window's target pass: every layer verified with `plan`
+        (prefetch.planner.WindowPlan, or None: load on demand)."""
+        return PlannedVerify(self, plan)
 
     def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A target layer outside any window (a prefill, a replay): what it routes to, loaded on demand."""
+        return self.verify_layer(module, hidden, top_k_index, top_k_weights, None)
+
+    def verify_layer(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                     plan) -> torch.Tensor:
+        """One MoE layer's routed experts (hidden [T, H], top_k_index and top_k_weights [T, k]) with the window's
+        `plan` (None: load on demand)."""
         start = time.perf_counter()
-        out = self._verify_layer(module, hidden, top_k_index, top_k_weights)
+        out = self._verify_layer(module, hidden, top_k_index, top_k_weights, plan)
         self.host_ms += (time.perf_counter() - start) * 1e3
         return out
 
-    def _verify_layer(self, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    def _verify_layer(self, module, hidden, top_k_index, top_k_weights, plan) -> torch.Tensor:
         if not self.options.expert_wise:
             routing = top_k_index.tolist()  # [T][k], the one host read of this layer
             self._observe(module, routing)
             return combine_rows(self._token_wise(module, hidden, routing), top_k_weights, hidden.dtype)
         rows = torch.zeros(top_k_index.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
-        self._expert_wise(module, hidden, top_k_index, rows)  # rows: [T*k, H]
+        self._expert_wise(module, hidden, top_k_index, rows, plan)  # rows: [T*k, H]
         return combine_rows(rows, top_k_weights, hidden.dtype)
 
     def _observe(self, module, routing: list[list[int]]) -> list[int]:
@@ -118,13 +119,13 @@ class ResidencyManager:
         self.working_sets.append(len(routed))
         return routed
 
-    def _expert_wise(self, module, hidden, top_k_index, rows) -> None:
+    def _expert_wise(self, module, hidden, top_k_index, rows, window_plan) -> None:
         layer, cache = module.moe_layer, self.cache
         routing = cache.streams.read_later(top_k_index)  # [T, k], in flight while the waves are enqueued
         step = LayerPass(module, hidden, top_k_index, rows, self._layer_waves(module, hidden, top_k_index, rows))
         prefetched, ahead = cache.prefetched_experts(layer), self.loaded_ahead.pop(layer, set())
         resident = cache.protect_resident(layer)  # includes the experts loaded ahead, maybe still in flight
-        plan = self.plan.load_order(layer) if self.plan is not None else []
+        plan = window_plan.load_order(layer) if window_plan is not None else []
         planned = [e for e in plan if e not in resident]  # most routed first
         if len(planned) <= cache.stream_slots - len(resident):  # all in flight at once: in expert order, so that
             planned.sort()  # grouped residual copies of neighbouring experts cross as one (`residual_group_copies`)
@@ -141,7 +142,7 @@ class ResidencyManager:
         self._stream(step, [], unplanned)
         cache.return_lent_rows(layer)  # spare rows lent to this layer's waves (pooled slots) serve the loads ahead
         for ahead in range(layer + 1, layer + 1 + self.options.ahead_layers):
-            self._load_ahead(ahead)
+            self._load_ahead(ahead, window_plan)
         cache.start_loads()  # the loads ahead cross while the host runs the next layer's attention
 
     def _layer_waves(self, module, hidden, top_k_index, rows) -> Callable:
@@ -155,17 +156,17 @@ class ResidencyManager:
         return lambda row_of_expert: slot_moe_rows_reference(hidden, top_k_index, pool, row_of_expert, inter, rows,
                                                              module.act_fn)
 
-    def _load_ahead(self, layer: int) -> None:
+    def _load_ahead(self, layer: int, window_plan) -> None:
         """Start a next layer's planned loads into its slots that hold nothing it plans to use, so the
         copy stream goes on from this layer's loads instead of idling until the next layer's first wave."""
-        if layer >= len(self.cache.layers) or self.plan is None:
+        if layer >= len(self.cache.layers) or window_plan is None:
             return
         start = time.perf_counter()
-        self._load_planned_ahead(layer)
+        self._load_planned_ahead(layer, window_plan)
         self.host_load_ms += (time.perf_counter() - start) * 1e3
 
-    def _load_planned_ahead(self, layer: int) -> None:
-        plan = self.plan.load_order(layer)
+    def _load_planned_ahead(self, layer: int, window_plan) -> None:
+        plan = window_plan.load_order(layer)
         keep = frozenset(plan)
         for expert in plan:
             if self.cache.slot_of(layer, expert) is None:
@@ -247,3 +248,16 @@ class ResidencyManager:
             "verify_host_wave_ms": self.host_wave_ms,  # launching verify waves
             "verify_waves": self.waves,
         }
+
+
+@dataclass(frozen=True)
+class PlannedVerify:
+    """The target executor of one window's target pass (`ResidencyManager.window`): each MoE layer verified by
+    `manager` with the window's `plan`."""
+
+    manager: ResidencyManager
+    plan: Any
+
+    def __call__(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self.manager.verify_layer(module, hidden, top_k_index, top_k_weights, self.plan)
