@@ -5,7 +5,8 @@ by uvicorn on a free port of 127.0.0.1 in this process. For each N, in turn: the
 directly on this thread (the server idle) as the server would decode N requests that arrive together: one at a
 time through `generate_text` with a stream callback for N = 1, in batches of N through `engine.generate([...])`
 with a per-request `on_commit` otherwise; then N client threads each send `--requests` streaming requests, and
-again not streaming. Greedy, at most `--max-new-tokens` new tokens each, ending at the tokenizer's EOS as the server does.
+again not streaming. Greedy, at most `--max-new-tokens` new tokens each, ending at the tokenizer's EOS as the
+server does.
 The server, its worker and the clients share this process (and its GIL) and the machine's cores, which counts in
 the server's overhead.
 

@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.settings import ModelChoice, checkpoint_path, model_choice, specter_config
+from experiments.systems import system_config
 from specter.config import SpecterConfig
 from specter.models.loading import checkpoint_spec, default_device, default_dtype, hf_config, load_model, with_layers
 from specter.offload.residual_store import residual_dtype_problem
@@ -32,9 +33,9 @@ def reads_raw_experts(name: str, config: SpecterConfig) -> bool:
     path = SYSTEMS / f"{name}.yaml"
     if not path.is_file():
         return True
-    options = OmegaConf.load(path)
-    residual = dict(options.get("specter") or {}).get("residual_transfer", config.residual_transfer)
-    return options.get("_target_") != "experiments.systems.make_specter" or not residual
+    if OmegaConf.load(path).get("_target_") != "experiments.systems.make_specter":
+        return True
+    return not system_config(name, config).residual_transfer
 
 
 def keep_raw_experts(names: list[str], config: SpecterConfig) -> bool:

@@ -30,18 +30,30 @@ def system_options(name: str):
     return OmegaConf.load(path)
 
 
-def build_system(name: str, model: HybridMoEModel, config: SpecterConfig, keep_raw: bool = True):
-    """The system named `name`, built on `model` with the run's Specter config (memory budget, K, the
-    `specter` group's options) and, on top of it, the option file's own `specter:` block (an ablation's
-    difference, e.g. `specter: {prefetch: false}`): the factory is called with the resulting config.
-    `keep_raw=False` (every system of the run is Specter with residual transfer: run_model.keep_raw_experts) lets the
-    host's raw experts go once encoded."""
+def system_config(name: str, run: SpecterConfig) -> SpecterConfig:
+    """The SpecterConfig system `name` decodes with, built once from the run's (memory budget, K, the `specter`
+    group's options): with `design: paper` in its option file the paper's design (`specter.config.PAPER_DESIGN`:
+    this project's mechanisms off), and the file's own `specter:` block on top (an ablation's difference, e.g.
+    `specter: {prefetch: false}`). SpecterConfig checks the values."""
     options = system_options(name)
-    overrides = specter_options(options.pop("specter", None), f"conf/system/{name}.yaml: ")
-    config = dataclasses.replace(config, **overrides)  # SpecterConfig checks the values again
+    design = options.get("design")
+    if design not in (None, "paper"):
+        raise SpecterError(f"conf/system/{name}.yaml: design must be paper (or absent), got {design!r}")
+    overrides = specter_options(options.get("specter"), f"conf/system/{name}.yaml: ")
+    return dataclasses.replace(run, **{**(PAPER_DESIGN if design == "paper" else {}), **overrides})
+
+
+def build_system(name: str, model: HybridMoEModel, config: SpecterConfig, keep_raw: bool = True):
+    """The system named `name`, built on `model`: its option file's factory (`_target_`) called with the system's
+    config (`system_config`: the run's `config`, its design and its `specter:` block). `keep_raw=False` (every
+    system of the run is Specter with residual transfer: run_model.keep_raw_experts) lets the host's raw experts
+    go once encoded."""
+    options = OmegaConf.to_container(system_options(name))
+    for key in ("specter", "design"):
+        options.pop(key, None)
     factory = hydra.utils.instantiate(options, _partial_=True)
     extra = {} if keep_raw else {"keep_raw_experts": False}  # only make_specter's runs get here
-    system = factory(model=model, specter_config=config, **extra)
+    system = factory(model=model, specter_config=system_config(name, config), **extra)
     if not isinstance(system, System):
         raise SpecterError(f"conf/system/{name}.yaml builds a {type(system).__name__}, which lacks the System "
                            f"contract (name, available(), generate(); baselines.base.System)")
@@ -50,14 +62,9 @@ def build_system(name: str, model: HybridMoEModel, config: SpecterConfig, keep_r
 
 
 def make_specter(model: HybridMoEModel, specter_config: SpecterConfig, keep_raw_experts: bool = True) -> SpecterEngine:
-    """Specter with the run's config (an ablation's option file has already set its fields)."""
+    """Specter with the system's config (`system_config`: the default design, or the paper's, with an ablation's
+    fields)."""
     return SpecterEngine(model, specter_config, keep_raw_experts)
-
-
-def make_specter_paper(model: HybridMoEModel, specter_config: SpecterConfig) -> SpecterEngine:
-    """Specter as the paper designs it: the run's config with this project's mechanisms off
-    (`SpecterConfig.paper()`); the paper's ablations set their one field on top of it."""
-    return SpecterEngine(model, dataclasses.replace(specter_config, **PAPER_DESIGN))
 
 
 def make_target_only(model: HybridMoEModel, specter_config: SpecterConfig) -> TargetOnly:

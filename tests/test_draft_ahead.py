@@ -38,7 +38,7 @@ def test_the_first_window_drafted_from_the_prompt_is_lossless_and_taken(tiny_nam
     config = specter.SpecterConfig(k=3, resident_experts_per_layer=slots, draft_ahead=True)
     engine, drafted = specter.SpecterEngine(model, config), []
     draft = engine.draft
-    engine.draft = lambda state, k: drafted.append(k) or draft(state, k)
+    engine.draft = lambda state, k, *rest: drafted.append(k) or draft(state, k, *rest)
     stats = engine.generate(ids, NEW).stats
     assert engine.generate(ids, NEW).token_ids == expected, (tiny_name, slots)
     # the draft guesses these prompts' first token: the first window takes the prompt's drafts

@@ -57,8 +57,8 @@ def test_specter_variants_are_overrides_of_the_specter_group(system):
     run's group: the rest of the run's options reach the ablation unchanged."""
     raw = OmegaConf.load(systems_module.SYSTEM_CONF / f"{system}.yaml")
     paper = system != "specter"  # specter_paper and the paper's ablations of its design
-    factory = "experiments.systems.make_specter_paper" if paper else "experiments.systems.make_specter"
-    assert set(raw) <= {"_target_", "specter"} and raw._target_ == factory
+    assert set(raw) <= {"_target_", "design", "specter"} and raw._target_ == "experiments.systems.make_specter"
+    assert raw.get("design") == ("paper" if paper else None)
     block = dict(raw.get("specter") or {})
     assert set(block) <= set(specter_fields()) and (system in ("specter", "specter_paper")) == (not block)
     cfg = compose_with("specter.top_p=0.9", "specter.eviction=popularity", "mem.slots=3")

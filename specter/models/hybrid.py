@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -12,6 +12,11 @@ from torch import nn
 from specter.models.device_rope import install_device_longrope
 from specter.models.hybrid_experts import DRAFT, TARGET, HybridExperts, is_hf_experts
 from specter.models.registry import ModelSpec
+
+if TYPE_CHECKING:  # the offload runtime imports the models; these are annotations only
+    from specter.offload.host_store import HostExpertStore
+    from specter.offload.residual_store import ResidualExpertStore
+    from specter.offload.runtime import OffloadRuntime
 
 
 @dataclass
@@ -28,9 +33,9 @@ class HybridMoEModel:
     tokenizer: Any
     experts: list[HybridExperts]
     quantizer: str = "rtn"
-    host_store: Any = None  # the HostExpertStore once the FP experts live in host memory
-    residual_store: Any = None  # the ResidualExpertStore where the build encoded the experts (raw never kept)
-    offload: Any = None  # the OffloadRuntime (cache + residency manager) serving them
+    host_store: HostExpertStore | None = None  # once the FP experts live in host memory
+    residual_store: ResidualExpertStore | None = None  # where the build encoded the experts (raw never kept)
+    offload: OffloadRuntime | None = None  # the expert cache and default residency manager serving them
     rope_on_host: str = ""  # why the rotary still picks its regime on the host ("": on the device, or no longrope)
 
     def __post_init__(self) -> None:

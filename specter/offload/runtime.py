@@ -27,7 +27,7 @@ class OffloadConfig:
     copies, LRU, waves of half the slots), which the baselines share; Specter's engine sets its own.
     Systems sharing a model share its cache while their slots, policy, spare rows and transfer format agree."""
 
-    slots: int
+    slots_per_layer: int  # SpecterConfig.resident_experts_per_layer: FP expert slots per MoE layer
     eviction: str = "lru"
     spare_rows: int = SPARE_ROWS
     verify: VerifyOptions = field(default_factory=VerifyOptions)
@@ -45,11 +45,11 @@ class OffloadConfig:
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once):
-        `slots - pooled_slots` slots per layer and `pooled_slots` rows of each layer added to the spare rows,
+        `slots_per_layer - pooled_slots` slots per layer and `pooled_slots` rows of each layer added to the spare rows,
         lent to the verify layers; with `coded`, that memory holds residual blobs."""
         spare_rows = self.spare_rows + self.pooled_slots * len(model.experts)
-        return offload_experts(model, self.slots - self.pooled_slots, self.eviction, spare_rows, self.residual,
-                               self.pooled_slots > 0, self.coded and self.residual, self.keep_raw)
+        return offload_experts(model, self.slots_per_layer - self.pooled_slots, self.eviction, spare_rows,
+                               self.residual, self.pooled_slots > 0, self.coded and self.residual, self.keep_raw)
 
 
 @dataclass
@@ -122,24 +122,25 @@ def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStor
     return store
 
 
-def offload_experts(model, slots: int, eviction: str = "lru", spare_rows: int = SPARE_ROWS, residual: bool = False,
-                    pooled: bool = False, coded: bool = False, keep_raw: bool = True) -> OffloadRuntime:
-    """Serve the target's experts from host memory with `slots` FP slots per layer (idempotent).
+def offload_experts(model, slots_per_layer: int, eviction: str = "lru", spare_rows: int = SPARE_ROWS,
+                    residual: bool = False, pooled: bool = False, coded: bool = False,
+                    keep_raw: bool = True) -> OffloadRuntime:
+    """Serve the target's experts from host memory with `slots_per_layer` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
     slot count, eviction policy, number of spare rows or transfer format builds a new cache over the same store
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
     on first use and kept), decoded `DECODE_GROUP` consecutive loads of one layer per launch. With
     `pooled` the verify layers also stream through the spare rows (lent for the layer). With `residual` and
-    `coded`, the memory of those slots and spare rows, less `coded_slots.SCRATCH_ROWS` 16-bit rows, holds residual blobs
-    (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave. Without
+    `coded`, the memory of those slots and spare rows, less `coded_slots.SCRATCH_ROWS` 16-bit rows, holds residual
+    blobs (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave. Without
     `keep_raw` the residual store's build lets the host store's raw experts go layer by layer (only systems that
     read residual blobs can serve the model afterwards).
     The runtime's own residency manager (default verification options) becomes every layer's target
     executor.
     """
-    if not 1 <= slots <= model.num_experts:
-        raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots}")
+    if not 1 <= slots_per_layer <= model.num_experts:
+        raise SpecterError(f"resident experts per layer must be in 1..{model.num_experts}, got {slots_per_layer}")
     runtime, coded = model.offload, coded and residual
     if model.host_store is None:
         model.host_store = move_experts_to_store(model)
@@ -149,9 +150,10 @@ def offload_experts(model, slots: int, eviction: str = "lru", spare_rows: int = 
     scratch = 0
     if coded:
         store = model.host_store
-        slots, spare_rows, scratch = coded_rows(slots, spare_rows, store.num_layers, store.num_experts,
-                                                store.expert_bytes, residuals.max_blob_words * 4)
-    key = (slots, eviction, spare_rows, residual, DECODE_GROUP if residual else None, pooled, scratch)
+        slots_per_layer, spare_rows, scratch = coded_rows(slots_per_layer, spare_rows, store.num_layers,
+                                                          store.num_experts, store.expert_bytes,
+                                                          residuals.max_blob_words * 4)
+    key = (slots_per_layer, eviction, spare_rows, residual, DECODE_GROUP if residual else None, pooled, scratch)
     if runtime is not None and runtime.cache.key == key:
         runtime.streams.group_copies = residual
         return runtime
@@ -162,10 +164,10 @@ def offload_experts(model, slots: int, eviction: str = "lru", spare_rows: int = 
         runtime.cache.free()  # free the old slots before allocating the new ones
         release_device_memory()
     routing = RoutingCounts()
-    coded_memory = None if not coded else CodedSlots(residuals, model.host_store.num_layers * slots + spare_rows,
-                                                     scratch, model.host_store.numel, model.host_store.dtype,
-                                                     model.device)
-    cache = ExpertCache(model.host_store, slots, model.device, streams, make_policy(eviction, routing), spare_rows,
+    store = model.host_store
+    coded_memory = None if not coded else CodedSlots(residuals, store.num_layers * slots_per_layer + spare_rows,
+                                                     scratch, store.numel, store.dtype, model.device)
+    cache = ExpertCache(store, slots_per_layer, model.device, streams, make_policy(eviction, routing), spare_rows,
                         residuals if residual else None, DECODE_GROUP, pooled, coded_memory)
     residency = ResidencyManager(cache, routing, VerifyOptions(), MoEWorkspace())
     runtime = OffloadRuntime(model.host_store, streams, cache, routing, residency, residuals)

@@ -30,7 +30,8 @@ class ServerState:
 
     def __init__(self, loader: Callable[[], ServedModel], scheduler_options: dict,
                  on_load_error: Callable[[BaseException], None] | None, log: logging.Logger) -> None:
-        self.loader, self.scheduler_options, self.on_load_error, self.log = loader, scheduler_options, on_load_error, log
+        self.loader, self.scheduler_options = loader, scheduler_options
+        self.on_load_error, self.log = on_load_error, log
         self.loaded: tuple[ServedModel, Scheduler] | None = None
         self.error: BaseException | None = None
         self.created = int(time.time())

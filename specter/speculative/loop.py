@@ -1,7 +1,7 @@
 """The speculative window loop, written once: per window, draft k tokens while the planner turns their routing
-into prefetches, verify k + 1 positions through the window's target executor (its plan), commit. Specter's single request and batch and
-SpecMoEOff's single request and microbatches are each a `Decoding` that this loop drives on their system's
-`Windows`."""
+into prefetches, verify k + 1 positions through the window's target executor (its plan), commit. Specter's single
+request and batch and SpecMoEOff's single request and microbatches are each a `Decoding` that this loop drives on
+their call's `Windows`."""
 from __future__ import annotations
 
 from typing import Any, Protocol

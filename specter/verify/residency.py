@@ -55,11 +55,11 @@ class ResidencyManager:
     Per layer, without waiting for the router: the resident experts run first (those already loaded
     before those still arriving; the slot kernel computes only the pairs routed to them); their slots
     then take, wave after wave, the experts the draft routed to in this window (the window's plan, which
-    the engine hands over with `window(plan)`; usually almost all of what the target needs). A wave is at most half the slots, so the slots of one
-    wave take new copies while the next computes. Only then does the host read the router's top-k
-    (its copy was started before the waves were enqueued, so the GPU and the copy stream stay busy
-    meanwhile): the router is authoritative, and any routed expert that
-    neither was resident nor planned is loaded and computed last. A wave is one launch pair of the slot
+    the engine hands over with `window(plan)`; usually almost all of what the target needs). A wave is at most
+    half the slots, so the slots of one wave take new copies while the next computes. Only then does the host
+    read the router's top-k (its copy was started before the waves were enqueued, so the GPU and the copy stream
+    stay busy meanwhile): the router is authoritative, and any routed expert that neither was resident nor
+    planned is loaded and computed last. A wave is one launch pair of the slot
     kernel on CUDA (tokens gathered per expert into dense tiles), the torch reference on CPU; the compute
     stream waits on ready events, never the host. Expert outputs fill (token, slot) rows that are
     combined with the routing weights at the end, so order does not change the result.
