@@ -47,37 +47,42 @@ def parser() -> Parser:
                               description="Decode a prompt with Specter; the text streams to stdout, a summary "
                                           "line goes to stderr.")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--model", required=True, help="a registered model name (tiny, tiny-qwen, dsv2, qwen, ...) "
-                                                    "or a checkpoint directory")
-    gen.add_argument("--mem", required=True, type=memory, help="resident experts per layer: the model's preset "
-                                                               "high or low, or a GPU budget in GB")
+    add_model_arguments(gen, "a registered model name (tiny, tiny-qwen, dsv2, qwen, ...) or a checkpoint directory")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
-    gen.add_argument("--k", type=int, default=None, help="draft tokens per iteration (default: the model's)")
-    gen.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    gen.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
-                     help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
-    add_serve(commands)
-    return top
-
-
-def add_serve(commands) -> None:
     srv = commands.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models and /health "
                                           "over one model, loaded once at start-up.")
-    srv.add_argument("--model", required=True, help="a registered model name or a checkpoint directory")
-    srv.add_argument("--mem", required=True, type=memory, help="resident experts per layer: the model's preset "
-                                                               "high or low, or a GPU budget in GB")
+    add_model_arguments(srv, "a registered model name or a checkpoint directory")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    srv.add_argument("--k", type=int, default=None, help="draft tokens per iteration (default: the model's)")
-    srv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    srv.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
-                     help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
     srv.add_argument("--max-batch", type=int, default=16,
-                     help="greedy non-streaming requests decoded together at most (default 16)")
+                     help="greedy requests decoded together at most (default 16)")
     srv.add_argument("--batch-wait-ms", type=float, default=2.0,
                      help="how long a lone greedy request waits for others to batch with (default 2 ms)")
+    return top
+
+
+def add_model_arguments(command, model_help: str) -> None:
+    """The arguments both commands take: the model, its memory setting, K, the device and the dtype."""
+    command.add_argument("--model", required=True, help=model_help)
+    command.add_argument("--mem", required=True, type=memory, help="resident experts per layer: the model's "
+                                                                   "preset high or low, or a GPU budget in GB")
+    command.add_argument("--k", type=int, default=None, help="draft tokens per iteration (default: the model's)")
+    command.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    command.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                         help="auto: float32 on the CPU, the checkpoint's dtype on CUDA")
+
+
+def checked_device(args: argparse.Namespace) -> str | None:
+    """The model arguments checked before anything loads (an unknown name, a missing directory, no CUDA for
+    --device cuda, K < 1: one line each); the device to load on (None: the default)."""
+    check_model_source(args.model)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SpecterError("--device cuda: no CUDA device is available here (use --device cpu)")
+    if args.k is not None and args.k < 1:
+        raise SpecterError(f"--k must be an integer >= 1, got {args.k}")
+    return None if args.device == "auto" else args.device
 
 
 def resident_slots(model, mem: str | float) -> int:
@@ -116,10 +121,7 @@ def random_weights_note(model) -> str | None:
 
 def generate(args: argparse.Namespace) -> int:
     check_request(args.prompt, args.max_new_tokens)
-    check_model_source(args.model)  # unknown names and missing directories fail before any loading
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SpecterError("--device cuda: no CUDA device is available here (use --device cpu)")
-    device = None if args.device == "auto" else args.device
+    device = checked_device(args)
     model = load_model(args.model, device=device, dtype=DTYPES[args.dtype], keep_raw_experts=False)  # Specter alone
     k = model.spec.default_k if args.k is None else args.k
     config = SpecterConfig(k=k, resident_experts_per_layer=resident_slots(model, args.mem))
@@ -137,11 +139,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Check the arguments, then serve until interrupted while the model loads in the background."""
-    check_model_source(args.model)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SpecterError("--device cuda: no CUDA device is available here (use --device cpu)")
-    if args.k is not None and args.k < 1:
-        raise SpecterError(f"--k must be an integer >= 1, got {args.k}")
+    device = checked_device(args)
     if args.max_batch < 1 or not math.isfinite(args.batch_wait_ms) or args.batch_wait_ms < 0:
         raise SpecterError("--max-batch must be >= 1 and --batch-wait-ms a number >= 0")
     try:
@@ -150,7 +148,6 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise SpecterError(f"serve needs the serve extra ({err.name} is missing): "
                            f"python3 -m pip install -e \".[serve]\"") from None
-    device = None if args.device == "auto" else args.device
     run_server(lambda: load_served(args.model, lambda model: resident_slots(model, args.mem), k=args.k,
                                    device=device, dtype=DTYPES[args.dtype]),
                args.host, args.port, args.max_batch, args.batch_wait_ms / 1000)

@@ -42,18 +42,27 @@ class HybridMoEModel:
         """A longrope rotary picks its regime on the device (specter.models.device_rope), or says why not."""
         self.rope_on_host = install_device_longrope(self.hf)
 
-    @contextmanager
-    def observe_draft_routing(self, observer) -> Iterator[None]:
+    def observe_draft_routing(self, observer):
         """Report every draft-mode top-k routing to `observer(moe_layer, top_k_index)` inside the block
         (nested blocks restore the outer observer)."""
-        previous = [module.routing_observer for module in self.experts]
+        return self._experts_bound("routing_observer", observer)
+
+    def executing(self, executor):
+        """The enclosed target forwards run each routed-experts layer through `executor(module, hidden, top_k_index,
+        top_k_weights)`; each layer's own afterwards (its device experts, or the offload runtime's manager)."""
+        return self._experts_bound("target_executor", executor)
+
+    @contextmanager
+    def _experts_bound(self, name: str, value) -> Iterator[None]:
+        """Every routed-experts module's attribute `name` is `value` inside the block, what it was afterwards."""
+        previous = [getattr(module, name) for module in self.experts]
         for module in self.experts:
-            module.routing_observer = observer
+            setattr(module, name, value)
         try:
             yield
         finally:
             for module, outer in zip(self.experts, previous):
-                module.routing_observer = outer
+                setattr(module, name, outer)
 
     @property
     def device(self) -> torch.device:
@@ -105,19 +114,6 @@ class HybridMoEModel:
     def _set_mode(self, name: str) -> None:
         for module in self.experts:
             module.mode = name
-
-    @contextmanager
-    def executing(self, executor) -> Iterator[None]:
-        """The enclosed target forwards run each routed-experts layer through `executor(module, hidden, top_k_index,
-        top_k_weights)`; each layer's own afterwards (its device experts, or the offload runtime's manager)."""
-        previous = [module.target_executor for module in self.experts]
-        for module in self.experts:
-            module.target_executor = executor
-        try:
-            yield
-        finally:
-            for module, own in zip(self.experts, previous):
-                module.target_executor = own
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, mode: str = TARGET, attention_mask: torch.Tensor | None = None,

@@ -98,31 +98,26 @@ def create_app(loader: Callable[[], ServedModel], *, max_batch: int = 16, batch_
         return failure(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                          kind=kind))
 
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return failure(request, exc)
+
     @app.get("/health")
     async def health(request: Request) -> Response:
-        try:
-            served, scheduler = state.ready()
-        except ApiError as err:
-            return failure(request, err)
+        served, scheduler = state.ready()
         return JSONResponse({"status": "ok", "model": served.name, **scheduler.stats()})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        try:
-            served, _ = state.ready()
-        except ApiError as err:
-            return failure(request, err)
+        served, _ = state.ready()
         return JSONResponse({"object": "list", "data": [model_card(served, state.created)]})
 
     @app.get("/v1/models/{name:path}")
     async def model(request: Request, name: str) -> Response:
-        try:
-            served, _ = state.ready()
-            if not served.knows(name):
-                raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.name!r}",
-                               param="model", code="model_not_found")
-        except ApiError as err:
-            return failure(request, err)
+        served, _ = state.ready()
+        if not served.knows(name):
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.name!r}",
+                           param="model", code="model_not_found")
         return JSONResponse(model_card(served, state.created))
 
     @app.post("/v1/completions")
@@ -135,15 +130,12 @@ def create_app(loader: Callable[[], ServedModel], *, max_batch: int = 16, batch_
 
     async def complete(request: Request, chat: bool) -> Response:
         started = time.perf_counter()
-        try:
-            served, scheduler = state.ready()
-            parsed = parse_request(await json_body(request), served, chat)
-            events: asyncio.Queue = asyncio.Queue()
-            job = Job(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], parsed,
-                      threadsafe_put(asyncio.get_running_loop(), events))
-            scheduler.submit(job)
-        except ApiError as err:
-            return failure(request, err)
+        served, scheduler = state.ready()
+        parsed = parse_request(await json_body(request), served, chat)
+        events: asyncio.Queue = asyncio.Queue()
+        job = Job(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], parsed,
+                  threadsafe_put(asyncio.get_running_loop(), events))
+        scheduler.submit(job)
         where = f"{request.method} {request.url.path}"
         if parsed.stream:
             return EventStream(stream(where, job, events, started), on_close=job.cancel)
