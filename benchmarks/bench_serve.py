@@ -14,7 +14,7 @@ TTFT: request sent (in-process: the decode's start) -> first text (not streaming
 first text) / (tokens - 1), not streaming the whole time over the tokens. The last column is the in-process
 decode's requests/s over the server's: the server's overhead as a factor.
 
-    python benchmarks/bench_serve.py --model tiny --mem low --clients 1 4 16 --max-tokens 32
+    python benchmarks/bench_serve.py --model tiny --mem low --clients 1 4 16 --max-new-tokens 32
 """
 from __future__ import annotations
 
