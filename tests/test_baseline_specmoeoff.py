@@ -132,3 +132,32 @@ def test_sampling_runs_and_counts():
     first, second = system.generate(prompt(), 12), system.generate(prompt(), 12)
     assert len(first.token_ids) == 12 and first.token_ids == second.token_ids  # seeded per request
     assert 0 <= first.stats["acceptance_rate"] <= 1
+
+
+class TurnTaker:
+    """A stand-in microbatch: tokens each request still needs, spent one window at a time."""
+
+    def __init__(self, left: list[int], new: int) -> None:
+        self.left, self.new = left, new
+        self.target = type("Target", (), {"generated": lambda _, r: [0] * (new - self.left[r])})()
+
+    def active(self, max_new_tokens: int) -> list[bool]:
+        return [n > 0 for n in self.left]
+
+
+def test_microbatches_take_turns_skipping_those_done():
+    """The window loop visits the microbatches in turn, a done one skipped, as rounds over them would; K is the
+    cost model's, at most what the neediest active request has left (- 1), at least 1."""
+    from baselines.specmoeoff.microbatch import TakingTurns
+    new = 10
+    micro = [TurnTaker([4], new), TurnTaker([10, 2], new)]
+    engine = type("Engine", (), {"choose_k": lambda self: 5})()
+    turns, ks = TakingTurns(engine, None, micro, new), []
+    order = []
+    while (k := turns.next_window()) is not None:
+        order.append(turns.turn)
+        ks.append(k)
+        m = micro[turns.turn]
+        m.left = [max(0, n - (k + 1)) for n in m.left]  # a fully accepted window
+    assert order == [0, 1, 1]  # microbatch 0 is done after one window (k = 3: its 4 tokens)
+    assert ks == [3, 5, 3]
