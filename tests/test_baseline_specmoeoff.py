@@ -50,7 +50,7 @@ def test_draft_and_target_share_no_weights_and_no_kv():
     system = make_specmoeoff_sc(model, HIGH, fixed_k=3)
     draft = system.draft_model
     assert torch.equal(draft.forward(ids, None), model.forward(ids, None, "draft"))  # the same draft, a copy
-    call = system.begin_request(system.serving())
+    call = system.begin_request(system.session())
     target_state, draft_state = system.prefill(call, ids, NEW)
     request = OneRequest(system, call, target_state, draft_state, DecodeMetrics(model.device), NEW)
     drafted, plan = request.draft(3)

@@ -64,7 +64,7 @@ class SpecMoEOff:
     expert, misses loaded on demand); both KV caches keep only the accepted prefix. Greedy output equals
     the target's greedy output.
 
-    `begin_request(serving())` starts a call (`windows.SpecMoEOffCall`: session, accounting,
+    `begin_request(session())` starts a call (`windows.SpecMoEOffCall`: session, accounting,
     generator, the K of each window), and the windows of a single request (`windows.OneRequest`) or of the
     microbatches (`microbatch.TakingTurns`) run in `specter.speculative.loop.decode_windows` on it; `stats(call,
     metrics)` at the end.
@@ -91,7 +91,7 @@ class SpecMoEOff:
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32) -> GenerationResult | list[GenerationResult]:
         """New tokens of a [1, T] prompt; of each request for a batch (two microbatches, greedy)."""
-        vocab, session = self.model.vocab_size, self.serving()
+        vocab, session = self.model.vocab_size, self.session()
         if is_batch(input_ids):
             prompts = check_batch(input_ids, max_new_tokens, vocab, self.model.max_positions)
             return generate_microbatches(self, session, prompts, max_new_tokens)
@@ -106,7 +106,7 @@ class SpecMoEOff:
         decode_windows(OneRequest(self, call, target, draft, metrics, max_new_tokens), call)
         return GenerationResult(target.generated[:max_new_tokens], self.stats(call, metrics))
 
-    def serving(self):
+    def session(self):
         """The call's offload session: the model's cache with this system's token-wise residency manager
         (offload.runtime.offload_session)."""
         return offload_session(self.model, self.offload_config, self.verify_workspace)

@@ -1,11 +1,11 @@
 """Batched speculative decoding: B requests draft and verify together, each with its own acceptance."""
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from specter.errors import SpecterError
 from specter.metrics import DecodeMetrics, GenerationResult, h2d_split
@@ -89,10 +89,11 @@ class BatchRequests:
         return [(n, tokens) if active[r] else (-1, []) for r, (n, tokens) in enumerate(outcome)]
 
     def commit(self, k: int, verified: list[tuple[int, list[int]]]) -> None:
-        active = self.active()
+        """Each request keeps its accepted prefix; an active one (n >= 0: `verify` gave the done ones -1) is
+        counted and heard by `on_commit`."""
         self.state.commit([tokens for _, tokens in verified], [n for n, _ in verified])
         for r, (n, tokens) in enumerate(verified):
-            if active[r]:
+            if n >= 0:
                 self.metrics[r].commit(len(tokens))
                 self.metrics[r].window(k, n)
                 self.ended[r] = self.on_commit(r, tokens) is False

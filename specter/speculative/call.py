@@ -25,11 +25,6 @@ class DecodeCall:
         """A new call: fresh accounting, the generator seeded from `config` (temperature, seed)."""
         return cls(session, WindowAccounting(session), seeded_generator(config, device))
 
-    @property
-    def cache(self):
-        """The expert cache this call decodes through (None: every expert resident)."""
-        return None if self.session is None else self.session.cache
-
     def end_prefill(self) -> None:
         """The prefill is not a verify window (its copies are counted apart)."""
         self.accounting.end_prefill()
