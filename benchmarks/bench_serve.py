@@ -135,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--batch-wait-ms", type=float, default=2.0,
-                        help="the server's wait for requests to batch with (python -m specter serve's option)")
     args = parser.parse_args(argv)
 
     served = load_served(args.model, lambda model: resident_slots(model, args.mem))
@@ -144,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_serve {datetime.datetime.now().isoformat(timespec='seconds')}, host {platform.node()} "
           f"({platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}), device "
           f"{served.model.device}, model {args.model}, mem {args.mem}, {args.max_new_tokens} new tokens, "
-          f"{args.requests} requests per client, greedy, batch wait {args.batch_wait_ms} ms, commit {commit_id()}")
+          f"{args.requests} requests per client, greedy, commit {commit_id()}")
     lines = [("| clients | decode | requests | req/s | TTFT mean ms | TTFT median ms | TPOT mean ms | "
               "in-process req/s over server's |"), "|---|---|---|---|---|---|---|---|"]
-    with BackgroundServer(create_app(lambda: served, batch_wait_s=args.batch_wait_ms / 1000)) as server:
+    with BackgroundServer(create_app(lambda: served)) as server:
         # each in-process decode runs while the server is idle (its worker touches the engine only for a request)
         in_process(engine, 2, 1, args.max_new_tokens)  # warm-ups
         drive(server.url, served.name, 1, 1, args.max_new_tokens, stream=True)

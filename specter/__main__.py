@@ -58,8 +58,6 @@ def parser() -> Parser:
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     srv.add_argument("--max-batch", type=int, default=16,
                      help="greedy requests decoded together at most (default 16)")
-    srv.add_argument("--batch-wait-ms", type=float, default=2.0,
-                     help="how long a lone greedy request waits for others to batch with (default 2 ms)")
     return top
 
 
@@ -140,8 +138,8 @@ def generate(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     """Check the arguments, then serve until interrupted while the model loads in the background."""
     device = checked_device(args)
-    if args.max_batch < 1 or not math.isfinite(args.batch_wait_ms) or args.batch_wait_ms < 0:
-        raise SpecterError("--max-batch must be >= 1 and --batch-wait-ms a number >= 0")
+    if args.max_batch < 1:
+        raise SpecterError(f"--max-batch must be >= 1, got {args.max_batch}")
     try:
         from specter.serve.engines import load_served
         from specter.serve.server import run_server
@@ -150,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
                            f"python3 -m pip install -e \".[serve]\"") from None
     run_server(lambda: load_served(args.model, lambda model: resident_slots(model, args.mem), k=args.k,
                                    device=device, dtype=DTYPES[args.dtype]),
-               args.host, args.port, args.max_batch, args.batch_wait_ms / 1000)
+               args.host, args.port, args.max_batch)
     return 0
 
 

@@ -69,13 +69,13 @@ class ServerState:
             self.loaded[1].stop()
 
 
-def create_app(loader: Callable[[], ServedModel], *, max_batch: int = 16, batch_wait_s: float = 0.002,
+def create_app(loader: Callable[[], ServedModel], *, max_batch: int = 16,
                on_load_error: Callable[[BaseException], None] | None = None,
                log: logging.Logger | None = None) -> FastAPI:
     """The server's ASGI app. `loader` runs on a thread when the app starts (its lifespan) and returns the served
     model; until then every route answers 503. `on_load_error(exc)` is called if it fails."""
     log = log or logging.getLogger("specter.serve")
-    state = ServerState(loader, {"max_batch": max_batch, "batch_wait_s": batch_wait_s}, on_load_error, log)
+    state = ServerState(loader, {"max_batch": max_batch}, on_load_error, log)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

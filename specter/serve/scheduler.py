@@ -43,14 +43,14 @@ class Job:
 
 class Scheduler:
     """Runs jobs on `served`'s engines, one at a time, on one worker thread: a greedy job (streaming or not) takes
-    with it every greedy job queued beside it (at most `max_batch`; after waiting `batch_wait_s` for more) into one
+    with it every greedy job queued beside it (at most `max_batch`) into one
     `engine.generate([...])` batch, each streaming its own pieces; sampling jobs, and a greedy job with no company,
     decode alone (`python -m specter generate`'s path), in arrival order. A cancelled job is dropped from the
     queue, or ends at its next commit (in a batch, the others go on)."""
 
-    def __init__(self, served, max_batch: int = 16, batch_wait_s: float = 0.002,
+    def __init__(self, served, max_batch: int = 16,
                  log: logging.Logger | None = None) -> None:
-        self.served, self.max_batch, self.batch_wait_s = served, max_batch, batch_wait_s
+        self.served, self.max_batch = served, max_batch
         self.log = log or logging.getLogger("specter.serve")
         self.pending: deque[Job] = deque()
         self.condition = threading.Condition()
@@ -116,8 +116,6 @@ class Scheduler:
             if self.stopping:
                 return None
             first = self.pending.popleft()
-            if first.batchable and self.batch_wait_s > 0 and not any(j.batchable for j in self.pending):
-                self.condition.wait(self.batch_wait_s)  # requests sent together arrive a little apart
             jobs = [first] + (self._companions(first) if first.batchable else [])
             self.running = jobs
             return jobs

@@ -44,7 +44,7 @@ def log_to_stderr(log: logging.Logger) -> None:
         log.propagate = False
 
 
-def run_server(loader, host: str, port: int, max_batch: int = 16, batch_wait_s: float = 0.002) -> None:
+def run_server(loader, host: str, port: int, max_batch: int = 16) -> None:
     """Serve until interrupted (Ctrl-C); the model loads in the background meanwhile. A load that fails stops the
     server and raises its error."""
     check_port(host, port)
@@ -58,7 +58,7 @@ def run_server(loader, host: str, port: int, max_batch: int = 16, batch_wait_s: 
         if server is not None:
             server.should_exit = True
 
-    app = create_app(loader, max_batch=max_batch, batch_wait_s=batch_wait_s, on_load_error=stop_on_load_error,
+    app = create_app(loader, max_batch=max_batch, on_load_error=stop_on_load_error,
                      log=log)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info"))
     try:
