@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from transformers import StaticCache
 
 from specter.batch.engine import generate_batch
 from specter.config import MAX_CACHE_LEN, SpecterConfig
-from specter.hooks import attributes_set
 from specter.inputs import check_batch, check_prompt, is_batch
 from specter.kernels.moe_align import MoEWorkspace
 from specter.metrics import DecodeMetrics, GenerationResult
@@ -54,7 +52,8 @@ class SpecterEngine:
     accounting and generator, passed to what needs them); the windows of a single request
     (`specter.speculative.request.OneRequest`) or a batch (`specter.batch.engine.BatchRequests`) then run in
     `specter.speculative.loop.decode_windows` on that call; `stats(call, metrics)` at the end. They run inside
-    `generate`, which opens the call's offload session and installs the engine's draft workspace.
+    `generate`, which opens the call's offload session; every draft forward is given the engine's draft workspace
+    (`draft_workspace`, which its captured draft steps point into).
     """
 
     name = "specter"
@@ -71,14 +70,14 @@ class SpecterEngine:
         resolved = resolve(config, model)
         self.config, self.mechanisms = resolved.config, resolved.mechanisms
         self.elb = ExpertLookaheadBuffer(model.num_moe_layers, model.num_experts, model.device)
-        self.graphs = DraftGraphCache(model, self.elb, self.config.draft_compile)
-        self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()
+        self.draft_workspace, self.verify_workspace = MoEWorkspace(), MoEWorkspace()  # its captured steps point in
+        self.graphs = DraftGraphCache(model, self.elb, self.config.draft_compile, self.draft_workspace)
         slots = self.config.resident_experts_per_layer
         self.offload_config = None if slots is None else \
             dataclasses.replace(OffloadConfig.of(self.config), keep_raw=keep_raw_experts)
         runtime = None if self.offload_config is None else self.offload_config.attach(model)  # experts to the host
         self.planner = self._planner(runtime)
-        self.ahead = DraftAhead(model, self.elb, self.config.draft_compile, self.config.k) \
+        self.ahead = DraftAhead(model, self.elb, self.config.draft_compile, self.config.k, self.draft_workspace) \
             if self.config.draft_ahead else None
 
     def available(self) -> tuple[bool, str]:
@@ -93,14 +92,13 @@ class SpecterEngine:
         A batch (a list of prompts: token lists or tensors, any lengths) gives a list of results, one per
         request, decoded together (greedy; `specter.batch`); its `on_commit(request, tokens)` hears each
         request's commits, and a False from it ends that request there."""
-        with self._serving() as session:
-            vocab = self.model.vocab_size
-            if is_batch(input_ids):
-                prompts = check_batch(input_ids, max_new_tokens, vocab, self.model.max_positions)
-                return generate_batch(self, session, prompts, max_new_tokens, eos_token_id, on_commit)
-            prompt = check_prompt(input_ids, max_new_tokens, vocab, self.model.max_positions)
-            return self._generate_one(session, prompt, max_new_tokens, eos_token_id,
-                                      on_commit or (lambda tokens: None))
+        session = self._offload_session()
+        vocab = self.model.vocab_size
+        if is_batch(input_ids):
+            prompts = check_batch(input_ids, max_new_tokens, vocab, self.model.max_positions)
+            return generate_batch(self, session, prompts, max_new_tokens, eos_token_id, on_commit)
+        prompt = check_prompt(input_ids, max_new_tokens, vocab, self.model.max_positions)
+        return self._generate_one(session, prompt, max_new_tokens, eos_token_id, on_commit or (lambda tokens: None))
 
     def generate_text(self, prompt: str, max_new_tokens: int = 128, *, chat: bool = False,
                       stream: Callable[[str], None] | None = None) -> TextResult:
@@ -141,7 +139,7 @@ class SpecterEngine:
             x = state.uncached() if previous is None else previous[0].view(1, 1)
             if graph is not None:
                 return graph.step_token(x)[:, 0], None  # [1]
-            logits = self.model.forward(x, state.cache, DRAFT)[0, -1]  # [V]
+            logits = self.model.forward(x, state.cache, DRAFT, draft_workspace=self.draft_workspace)[0, -1]  # [V]
             return next_token(logits, self.config, generator)
 
         with state.draft_scratch():
@@ -178,15 +176,11 @@ class SpecterEngine:
             stats.update(self.ahead.stats())
         return stats
 
-    @contextmanager
-    def _serving(self) -> Iterator:
-        """The engine's draft workspace on every layer of the shared model for one call (its captured draft graphs
-        point into it); yields the call's offload session (offload.runtime.offload_session: its cache and
-        residency manager; None: every expert resident)."""
+    def _offload_session(self):
+        """The call's offload session (offload.runtime.offload_session: its cache and residency manager; None:
+        every expert resident)."""
         config = self.offload_config
-        session = None if config is None else offload_session(self.model, config, self.verify_workspace)
-        with attributes_set(self.model.experts, draft_workspace=self.draft_workspace):
-            yield session
+        return None if config is None else offload_session(self.model, config, self.verify_workspace)
 
     def _planner(self, runtime):
         """The prefetch planner over the offload runtime's cache, or NoPrefetch (nothing offloaded, or prefetch

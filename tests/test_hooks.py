@@ -91,3 +91,20 @@ def test_two_models_loaded_one_after_the_other_decode_on_cuda_with_graphs():
         del model, engine, out
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def test_a_draft_forward_binds_its_workspace_for_that_forward_only():
+    """HybridMoEModel.forward(draft_workspace=...): every layer's draft kernels see the given workspace while
+    the forward runs, and their own (None) afterwards; a target forward never binds it."""
+    from specter.kernels.moe_align import MoEWorkspace
+    from specter.models.hybrid_experts import DRAFT, TARGET
+    from transformers import DynamicCache
+
+    model = fresh("tiny")
+    workspace, seen = MoEWorkspace(), []
+    with model.observe_draft_routing(lambda layer, index: seen.append(model.experts[layer].draft_workspace)):
+        model.forward(prompt(), DynamicCache(config=model.hf.config), DRAFT, draft_workspace=workspace)
+    assert len(seen) == model.num_moe_layers and all(w is workspace for w in seen)
+    assert [m.draft_workspace for m in model.experts] == [None] * model.num_moe_layers
+    model.forward(prompt(), DynamicCache(config=model.hf.config), TARGET, draft_workspace=workspace)
+    assert [m.draft_workspace for m in model.experts] == [None] * model.num_moe_layers

@@ -115,11 +115,12 @@ def test_no_decode_loop_rewrites_the_window():
     assert found == ["specter/speculative/loop.py"], found
 
 
-def test_no_shared_object_is_installed_on_the_target_path():
-    """The target's executor and a window's plan are passed to each target forward (HybridMoEModel.forward's
-    `executor`), never installed by a system for its call: no `attributes_set` of a `target_executor` and no
-    `verifying` context anywhere in the package, the baselines or the harness."""
-    installed = re.compile(r"attributes_set\([^)]*target_executor|def verifying\(|\.verifying\(")
+def test_no_shared_object_is_installed_on_the_decode_path():
+    """The target's executor, a window's plan and the draft's workspace are passed to each forward
+    (HybridMoEModel.forward's `executor` and `draft_workspace`), never installed by a system for its call: no
+    `attributes_set` and no `verifying` context anywhere in the package, the baselines or the harness (the
+    hooks module defines it; benchmarks that fake the device use it)."""
+    installed = re.compile(r"attributes_set\(|def verifying\(|\.verifying\(")
     found = [str(path.relative_to(ROOT)) for package in ("specter", "baselines", "experiments")
              for path in sorted((ROOT / package).rglob("*.py")) if installed.search(path.read_text())]
-    assert found == [], found
+    assert found == ["specter/hooks.py"], found

@@ -112,7 +112,8 @@ def draft(engine, state: BatchState, k: int, metrics: list):
             graph = engine.graphs.capture(state.batch_size, state.cache, state.mask.shape[1], mask, positions)
         if graph is not None:
             return graph.step(x, mask, positions).view(-1, 1)  # [B, 1]
-        logits = engine.model.forward(x, state.cache, DRAFT, mask, positions)  # [B, 1, V]
+        logits = engine.model.forward(x, state.cache, DRAFT, mask, positions,
+                                      draft_workspace=engine.draft_workspace)  # [B, 1, V]
         return logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
 
     with state.draft_scratch():

@@ -61,9 +61,9 @@ class DraftAhead:
     """The draft's own KV cache (static, with its own captured step, where the engine's is), its side stream
     and the drafts of the window being verified."""
 
-    def __init__(self, model, elb, compiled: bool, k_max: int) -> None:
-        self.model, self.elb, self.k_max = model, elb, k_max
-        self.graphs = DraftGraphCache(model, elb, compiled)
+    def __init__(self, model, elb, compiled: bool, k_max: int, workspace=None) -> None:
+        self.model, self.elb, self.k_max, self.workspace = model, elb, k_max, workspace  # the draft kernels' buffers
+        self.graphs = DraftGraphCache(model, elb, compiled, workspace)
         self.cuda = model.device.type == "cuda"
         self.stream = torch.cuda.Stream(model.device) if self.cuda else None
         self.cache = None
@@ -99,10 +99,10 @@ class DraftAhead:
         with self._side():
             if window is None and not isinstance(state.cache, StaticCache):  # the window's draft rows were dropped
                 window_inputs = torch.cat([state.uncached().view(-1), drafts[:-1]]).view(1, -1)  # [1, k]
-                self.model.forward(window_inputs, self.cache, DRAFT)
-            guess = list(draft_chain(self.model, graph, self.cache, self.elb, drafts[-1:], 1))[0][:, 0]  # [1]
+                self.model.forward(window_inputs, self.cache, DRAFT, draft_workspace=self.workspace)
+            guess = list(self._chain(graph, drafts[-1:], 1))[0][:, 0]  # [1]
             guess_read = read_when_reached(guess)  # read after the verify pass without waiting for what follows
-        whole = SideSteps(draft_chain(self.model, graph, self.cache, self.elb, guess, next_k), self.stream)
+        whole = SideSteps(self._chain(graph, guess, next_k), self.stream)
         self.launches += 1
         self.launch_host_ms += (time.perf_counter() - started) * 1e3
         return Launched(guess_read, whole, window_k)
@@ -119,13 +119,18 @@ class DraftAhead:
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())  # the emptied cache, the prompt's ids
         with self._side():
-            logits = self.model.forward(state.uncached(), self.cache, DRAFT)[0, -1:]  # [1, V]
+            logits = self.model.forward(state.uncached(), self.cache, DRAFT,
+                                        draft_workspace=self.workspace)[0, -1:]  # [1, V]
             guess = logits.argmax(dim=-1)  # [1]
             guess_read = read_when_reached(guess)
         graph = self.graphs.graph(None, self.cache)
-        whole = SideSteps(draft_chain(self.model, graph, self.cache, self.elb, guess, k), self.stream)
+        whole = SideSteps(self._chain(graph, guess, k), self.stream)
         self.launch_host_ms += (time.perf_counter() - started) * 1e3
         return Launched(guess_read, whole, lambda committed: k)
+
+    def _chain(self, graph, token: torch.Tensor, steps: int):
+        """`steps` greedy draft steps over the side cache from `token` [1] (specter.draft.graph.draft_chain)."""
+        return draft_chain(self.model, graph, self.cache, self.elb, token, steps, self.workspace)
 
     def collect_prompt(self, launched: Launched | None, first: int) -> AheadWindow | None:
         """After the prefill: the first window's drafts made from the prompt if the draft guessed the target's

@@ -13,14 +13,15 @@ from specter.speculative.state import new_static_cache
 WARMUP_STEPS = 2
 
 
-def draft_step_fn(model, compiled: bool = False):
-    """`(tokens [B, 1], cache, mask, positions) -> argmax(draft logits)` [B, 1]; with `compiled`, the same
+def draft_step_fn(model, compiled: bool = False, workspace=None):
+    """`(tokens [B, 1], cache, mask, positions) -> argmax(draft logits)` [B, 1], the draft kernels in
+    `workspace` (a MoEWorkspace; None: their own buffers); with `compiled`, the same
     function through torch.compile (static shapes, so it compiles once per cache and batch shape): fewer,
     fused kernels for the dense part of each layer (norms, rotary, casts, copies). The fused kernels round
     to the model's dtype where eager rounds (`emulate_precision_casts`); their reductions may still sum in
     another order, so near-ties of the draft's logits can flip."""
     def step(tokens, cache, mask, positions):
-        logits = model.forward(tokens, cache, DRAFT, mask, positions)[:, -1]  # [B, V]
+        logits = model.forward(tokens, cache, DRAFT, mask, positions, draft_workspace=workspace)[:, -1]  # [B, V]
         return logits.argmax(dim=-1, keepdim=True)
     if not compiled:
         return step
@@ -34,10 +35,10 @@ def draft_step_fn(model, compiled: bool = False):
     return step_within_limit
 
 
-def draft_chain(model, graph, cache, elb, token: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+def draft_chain(model, graph, cache, elb, token: torch.Tensor, steps: int, workspace=None) -> Iterator[torch.Tensor]:
     """The greedy draft's tokens of `steps` steps chained from `token` [1] over `cache`, one step per item
-    ([1, 1]): replays of `graph` when there is one, else eager forwards with their routing counted into `elb`
-    (drain an eager chain at once: its routing observer is installed while it runs)."""
+    ([1, 1]): replays of `graph` when there is one, else eager forwards (draft kernels in `workspace`) with their
+    routing counted into `elb` (drain an eager chain at once: its routing observer is installed while it runs)."""
     if graph is not None:
         for _ in range(steps):
             choice = graph.step_token(token)
@@ -46,7 +47,8 @@ def draft_chain(model, graph, cache, elb, token: torch.Tensor, steps: int) -> It
         return
     with model.observe_draft_routing(elb.observe):
         for _ in range(steps):
-            choice = model.forward(token.view(1, 1), cache, DRAFT)[0, -1:].argmax(dim=-1, keepdim=True)  # [1, 1]
+            logits = model.forward(token.view(1, 1), cache, DRAFT, draft_workspace=workspace)  # [1, 1, V]
+            choice = logits[0, -1:].argmax(dim=-1, keepdim=True)  # [1, 1]
             token = choice[:, 0]
             yield choice
 
@@ -63,15 +65,15 @@ class DraftStepGraph:
     """Captures `tokens -> argmax(draft logits)` once and replays it for every draft step.
 
     Needs fixed addresses and shapes: the static KV cache (its device-side length positions each
-    step), static input tokens [B, 1], the lookahead counters and the draft kernel's workspace; a batch
+    step), static input tokens [B, 1], the lookahead counters and the draft kernels' `workspace`; a batch
     also has static mask [B, 1, 1, max_len] and position [B, 1] inputs, copied in before each replay.
     Capture happens on a side stream after warm-up steps, whose KV writes and counts are rolled back.
     """
 
     def __init__(self, model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, compiled: bool = False) -> None:
+                 positions: torch.Tensor | None = None, compiled: bool = False, workspace=None) -> None:
         self.model, self.cache, self.elb = model, cache, elb
-        self.step_fn = draft_step_fn(model, compiled)  # compiled at the first warm-up step
+        self.step_fn = draft_step_fn(model, compiled, workspace)  # compiled at the first warm-up step
         batch = 1 if positions is None else positions.shape[0]
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)  # static input
         self.mask = None if mask is None else mask.clone()  # static inputs of a batch
@@ -111,7 +113,7 @@ class DraftStepGraph:
 
 def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None,
-                       compiled: bool = False) -> tuple[DraftStepGraph | None, str]:
+                       compiled: bool = False, workspace=None) -> tuple[DraftStepGraph | None, str]:
     """(graph, status) or (None, reason) when capture is not possible here; the caller then drafts eagerly.
     A batch passes its first step's `mask` and `positions` (their shapes are captured). With `compiled`
     the step is compiled first; if that fails, the plain step is captured and the status says why."""
@@ -122,12 +124,12 @@ def capture_draft_step(model, cache, elb, kv_length: int, mask: torch.Tensor | N
     compile_problem = ""
     if compiled:
         try:
-            return DraftStepGraph(model, cache, elb, kv_length, mask, positions, True), "on, compiled"
+            return DraftStepGraph(model, cache, elb, kv_length, mask, positions, True, workspace), "on, compiled"
         except Exception as err:  # a compiler error or an op capture rejects in the compiled step
             _undo_warmup(cache, elb, kv_length)
             compile_problem = f", not compiled: {_reason(err)}"
     try:
-        return DraftStepGraph(model, cache, elb, kv_length, mask, positions, False), "on" + compile_problem
+        return DraftStepGraph(model, cache, elb, kv_length, mask, positions, False, workspace), "on" + compile_problem
     except Exception as err:  # capture rejects host syncs and unsupported ops: fall back, say why
         _undo_warmup(cache, elb, kv_length)
         return None, _reason(err)
@@ -169,8 +171,9 @@ class DraftGraphCache:
     with it (the captured addresses changed); a capture that failed is not tried again on the same cache.
     """
 
-    def __init__(self, model, elb, compiled: bool = False) -> None:
+    def __init__(self, model, elb, compiled: bool = False, workspace=None) -> None:
         self.model, self.elb, self.compiled = model, elb, compiled  # compiled: torch.compile the step first
+        self.workspace = workspace  # the draft kernels' buffers (a MoEWorkspace) every captured step points into
         self._entries: dict[bool, GraphEntry] = {}  # batched? -> its entry
 
     def static_cache(self, batch: int | None, length: int, min_length: int = 0) -> StaticCache:
@@ -199,7 +202,7 @@ class DraftGraphCache:
         entry = self._entry(batch, cache)
         if entry is not None and entry.graph is None and entry.status == "off":
             entry.graph, status = capture_draft_step(self.model, cache, self.elb, kv_length, mask, positions,
-                                                     self.compiled)
+                                                     self.compiled, self.workspace)
             entry.status = status if entry.graph is not None else f"failed: {status}"
         return self.graph(batch, cache)
 

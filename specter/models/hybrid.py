@@ -117,17 +117,22 @@ class HybridMoEModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, mode: str = TARGET, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, executor=None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, executor=None, draft_workspace=None) -> torch.Tensor:
         """Logits [B, T, V] of `input_ids` [B, T] appended to `cache` (which it extends).
 
         Batched decoding passes `attention_mask` [B, cached + T] (0 = a hole: padding or a rejected
         position) and each request's own `position_ids` [B, T]. `executor`: what runs a target forward's routed
         experts (a system's residency manager, or its window's `PlannedVerify`; None: each layer's own).
+        `draft_workspace`: the draft kernels' buffers in a draft forward (an engine's MoEWorkspace, which its
+        captured draft steps point into; None: each layer's own).
         """
-        if executor is None or mode != TARGET:
-            with self.mode(mode):
+        if mode == TARGET and executor is not None:
+            with self.mode(mode), self.executing(executor):
                 return self._logits(input_ids, cache, attention_mask, position_ids)
-        with self.mode(mode), self.executing(executor):
+        if mode == DRAFT and draft_workspace is not None:
+            with self.mode(mode), self._experts_bound("draft_workspace", draft_workspace):
+                return self._logits(input_ids, cache, attention_mask, position_ids)
+        with self.mode(mode):
             return self._logits(input_ids, cache, attention_mask, position_ids)
 
     def _logits(self, input_ids, cache, attention_mask, position_ids) -> torch.Tensor:
