@@ -134,8 +134,7 @@ if TRITON_AVAILABLE:
         value = (pair & ((tl.full([BLOCK_ROWS, GROUP], 1, tl.uint32) << width.to(tl.uint32)) - 1)).to(tl.int32)
         key = tl.where(value >= fold, 0xFFFF - (low + value - fold), low + value)
         bits = tl.where(raw, value, tl.where(key >= 0x8000, key & 0x7FFF, 0xFFFF - key))
-        bits = tl.where(bits >= 0x8000, bits - 0x10000, bits)  # the int16 pattern
-        tl.store(out_ptr + out_base + rows[:, None] * in_features + cols[None, :], bits.to(tl.int16),
+        tl.store(out_ptr + out_base + rows[:, None] * in_features + cols[None, :], bits.to(tl.int16),  # low 16 bits
                  mask=row_ok[:, None])
 
     @triton.jit
