@@ -103,7 +103,7 @@ def test_kernel_decodes_groups_of_every_margin_class(dtype):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("block_rows, word_loads", [(8, False), (32, False), (16, True), (8, True)])
+@pytest.mark.parametrize("block_rows, word_loads", [(32, False), (16, True), (32, True)])
 def test_every_tile_and_word_source_decodes_the_weights(dtype, block_rows, word_loads):
     """The plans a tile sweep launches (rows per program, stream words loaded or gathered) rebuild every margin
     class bit for bit."""
@@ -113,6 +113,15 @@ def test_every_tile_and_word_source_decodes_the_weights(dtype, block_rows, word_
     plan = DecodePlan.of(layout, dtype, block_rows=block_rows, num_warps=2, word_loads=word_loads)
     rebuilt = launch_decode(plan, expert_operands(drafts, dtype), blob, torch.empty_like(weights))
     assert torch.equal(bits_of(rebuilt), bits_of(weights))
+
+
+@pytest.mark.parametrize("block_rows", [8, 24])
+def test_a_tile_the_compiler_cannot_lower_is_refused_before_launch(block_rows):
+    from specter.kernels.residual_decode import DecodePlan
+
+    layout = make_expert(40, 24, 8, torch.bfloat16, "rtn")[0]
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        DecodePlan.of(layout, torch.bfloat16, block_rows=block_rows)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ from specter.quant.residual_expert import (  # noqa: F401
 
 BLOCK_ROWS = 16  # output rows a program decodes at once
 NUM_WARPS = 4  # warps of a decode program
+MIN_BLOCK_ROWS = 16  # an 8-row tile's gathers abort Triton 3.6's compile (an assertion in its gather lowering, H100)
 WORD_LOADS = False  # each weight's two stream words loaded from memory (L1) instead of gathered from a block
 
 try:
@@ -212,6 +213,9 @@ class DecodePlan:
         """The plan of `layout`'s experts in `dtype` (the tile and warps: the defaults unless a sweep sets them)."""
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
+        if block_rows < MIN_BLOCK_ROWS or block_rows & (block_rows - 1):
+            raise ValueError(f"block_rows must be a power of two >= {MIN_BLOCK_ROWS} (Triton 3.6's gather lowering "
+                             f"aborts the compile on smaller tiles), got {block_rows}")
         tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
         args = (*layout.shapes[0], *layout.shapes[1], tiles[0], layout.group_base(1), layout.output_base(1),
                 layout.stream_word, 4 * layout.count_word, 4 * layout.class_word)
