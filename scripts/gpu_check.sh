@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
-#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|offload|spread|calibration|report|batch|llamacpp|hostcost ...]
+#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|tiles|offload|spread|calibration|report|batch|llamacpp|hostcost ...]
 #   (default: tests profile overlap kernel offload, in this order; the benchmarks it runs are in benchmarks/)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes (PROFILE_ARGS=--compile
 # adds the torch.compile'd step beside it: compile time, same tokens, replay ratio); overlap: when the copy
@@ -38,6 +38,8 @@
 # llama.cpp from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
+# tiles: the residual decode kernel's tile sweep (rows per program, warps, stream words gathered or loaded),
+# bit-exact first, one process, each plan's time over the default's.
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
 # the host's cost per load; BENCH_ARGS=--variants adds the kernel's variants), then dsv2 K=8 at MEMS (default
 # "low high"), RESIDUAL_PROMPTS (default 1) prompts, with the paper's design, Specter and RESIDUAL_VARIANTS
@@ -114,6 +116,8 @@ for step in "${STEPS[@]}"; do
              rc=${PIPESTATUS[0]} ;;
     overlap) python3 benchmarks/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
              rc=${PIPESTATUS[0]} ;;
+    tiles) python3 benchmarks/bench_decode_tiles.py --models dsv2 phi --out "$OUT" 2>&1 | grep -v -i warn
+           rc=${PIPESTATUS[0]} ;;
     residual) python3 benchmarks/bench_residual.py --models dsv2 phi --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn
               rc=${PIPESTATUS[0]}
               for mem in ${MEMS:-low high}; do  # raw copies vs residual transfer, same model and process
