@@ -38,7 +38,7 @@
 # llama.cpp from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
-# tiles: the residual decode kernel's tile sweep (rows per program, warps, stream words gathered or loaded),
+# tiles: the residual decode kernel's tile sweep (rows per program, warps),
 # bit-exact first, one process, each plan's time over the default's.
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
 # the host's cost per load; BENCH_ARGS=--variants adds the kernel's variants), then dsv2 K=8 at MEMS (default
@@ -116,7 +116,7 @@ for step in "${STEPS[@]}"; do
              rc=${PIPESTATUS[0]} ;;
     overlap) python3 benchmarks/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
              rc=${PIPESTATUS[0]} ;;
-    tiles) python3 benchmarks/bench_decode_tiles.py --models dsv2 phi --out "$OUT" 2>&1 | grep -v -i warn
+    tiles) python3 benchmarks/bench_decode_tiles.py --models dsv2 qwen phi --out "$OUT" 2>&1 | grep -v -i warn
            rc=${PIPESTATUS[0]} ;;
     residual) python3 benchmarks/bench_residual.py --models dsv2 phi --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn
               rc=${PIPESTATUS[0]}

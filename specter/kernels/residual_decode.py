@@ -27,7 +27,6 @@ from specter.quant.residual_expert import (  # noqa: F401
 BLOCK_ROWS = 16  # output rows a program decodes at once
 NUM_WARPS = 4  # warps of a decode program
 MIN_BLOCK_ROWS = 16  # an 8-row tile's gathers abort Triton 3.6's compile (an assertion in its gather lowering, H100)
-WORD_LOADS = False  # each weight's two stream words loaded from memory (L1) instead of gathered from a block
 
 try:
     import triton
@@ -81,8 +80,7 @@ if TRITON_AVAILABLE:
     def _decode_tile(blob_ptr, count_ptr, class_ptr, out_ptr, qweight_ptr, scales_ptr, tile, out_features,
                      in_features, group_base, row_base, out_base, stream_word, blob_words,
                      MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
-                     RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-                     WORD_LOADS: tl.constexpr):
+                     RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr):
         groups = in_features // GROUP
         group = tile % groups
         rows = (tile // groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
@@ -118,19 +116,12 @@ if TRITON_AVAILABLE:
         within = tl.cumsum(width, axis=1) - width  # bit offset inside the group
         shift = (within & 31).to(tl.uint32)
         first = within >> 5  # [R, G], below GROUP/2
-        if WORD_LOADS:  # each weight's two words straight from the blob (the group's stream sits in L1)
-            word = stream_word + start + first  # [R, G]
-            w0 = tl.load(blob_ptr + word, mask=row_ok[:, None] & (word < blob_words), other=0)
-            # a weight in the blob's last word ends in it: the word after is masked off (below too)
-            w1 = tl.load(blob_ptr + word + 1, mask=row_ok[:, None] & (word + 1 < blob_words), other=0)
-            w0, w1 = w0.to(tl.uint32, bitcast=True), w1.to(tl.uint32, bitcast=True)
-        else:
-            span = stream_word + start + tl.arange(0, GROUP * RAW_WIDTH // 32)[None, :]  # [R, GROUP/2]
-            block = tl.load(blob_ptr + span, mask=row_ok[:, None] & (span < blob_words), other=0)  # the group streams
-            w0 = tl.gather(block, first, axis=1).to(tl.uint32, bitcast=True)
-            # a weight in the group's last word ends in it: its next word, clamped, is masked off below
-            w1 = tl.gather(block, tl.minimum(first + 1, GROUP * RAW_WIDTH // 32 - 1), axis=1).to(tl.uint32,
-                                                                                                 bitcast=True)
+        span = stream_word + start + tl.arange(0, GROUP * RAW_WIDTH // 32)[None, :]  # [R, GROUP/2]
+        block = tl.load(blob_ptr + span, mask=row_ok[:, None] & (span < blob_words), other=0)  # the group streams
+        w0 = tl.gather(block, first, axis=1).to(tl.uint32, bitcast=True)
+        # a weight in the group's last word ends in it: its next word, clamped, is masked off below
+        last = GROUP * RAW_WIDTH // 32 - 1
+        w1 = tl.gather(block, tl.minimum(first + 1, last), axis=1).to(tl.uint32, bitcast=True)
         pair = (w0 >> shift) | ((w1 << 1) << (31 - shift))  # the 32 bits from the weight's offset
         value = (pair & ((tl.full([BLOCK_ROWS, GROUP], 1, tl.uint32) << width.to(tl.uint32)) - 1)).to(tl.int32)
         key = tl.where(value >= fold, 0xFFFF - (low + value - fold), low + value)
@@ -143,7 +134,7 @@ if TRITON_AVAILABLE:
                             out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte,
                             class_byte, blob_words, MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr,
                             RAW: tl.constexpr, RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr,
-                            BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr, WORD_LOADS: tl.constexpr):
+                            BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr):
         """This program's tile (program_id(0)) of one expert."""
         count_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + count_byte  # the groups' word counts, a byte each
         class_ptr = blob_ptr.to(tl.pointer_type(tl.uint8)) + class_byte  # the margin classes, a byte each
@@ -152,11 +143,11 @@ if TRITON_AVAILABLE:
         if tile < tiles0:  # linear 0 (gate_up)
             _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight0_ptr, scales0_ptr, tile, out0, in0,
                          0, 0, 0, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP,
-                         BLOCK_ROWS, IS_BF16, WORD_LOADS)
+                         BLOCK_ROWS, IS_BF16)
         else:  # linear 1 (down)
             _decode_tile(blob_ptr, count_ptr, class_ptr, bits_ptr, qweight1_ptr, scales1_ptr, tile - tiles0, out1,
                          in1, group_base1, out0, out_base1, stream_word, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                         RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, WORD_LOADS)
+                         RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16)
 
     @triton.jit(do_not_specialize=["blob_words"])  # one compiled kernel for every blob length
     def _residual_decode_kernel(
@@ -164,12 +155,11 @@ if TRITON_AVAILABLE:
         out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte, class_byte, blob_words,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-        WORD_LOADS: tl.constexpr,
     ):
         _decode_expert_tile(blob_ptr, out_ptr, qweight0_ptr, scales0_ptr, qweight1_ptr, scales1_ptr,
                             out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte,
                             class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW, RAW_WIDTH, GROUP, BLOCK_ROWS,
-                            IS_BF16, WORD_LOADS)
+                            IS_BF16)
 
     @triton.jit
     def _residual_decode_group_kernel(
@@ -178,7 +168,6 @@ if TRITON_AVAILABLE:
         out0, in0, out1, in1, tiles0, group_base1, out_base1, stream_word, count_byte, class_byte,
         MARGIN_BASE: tl.constexpr, MARGIN_STEP: tl.constexpr, RAW: tl.constexpr,
         RAW_WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, IS_BF16: tl.constexpr,
-        WORD_LOADS: tl.constexpr,
     ):
         """Several experts of one layer, one per program_id(1): items [n, 4] int64 holds each one's blob offset
         in `staging` (words), blob length (words), expert index into the layer's stacked drafts, and output
@@ -190,7 +179,7 @@ if TRITON_AVAILABLE:
                             scales0_ptr + expert * scales0_stride, qweight1_ptr + expert * qweight1_stride,
                             scales1_ptr + expert * scales1_stride, out0, in0, out1, in1, tiles0, group_base1,
                             out_base1, stream_word, count_byte, class_byte, blob_words, MARGIN_BASE, MARGIN_STEP, RAW,
-                            RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16, WORD_LOADS)
+                            RAW_WIDTH, GROUP, BLOCK_ROWS, IS_BF16)
 
 
 @dataclass(frozen=True)
@@ -205,11 +194,9 @@ class DecodePlan:
     is_bf16: bool
     block_rows: int = BLOCK_ROWS
     num_warps: int = NUM_WARPS
-    word_loads: bool = WORD_LOADS
 
     @classmethod
-    def of(cls, layout: BlobLayout, dtype: torch.dtype, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
-           word_loads: bool = WORD_LOADS) -> DecodePlan:
+    def of(cls, layout: BlobLayout, dtype: torch.dtype, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> DecodePlan:
         """The plan of `layout`'s experts in `dtype` (the tile and warps: the defaults unless a sweep sets them)."""
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
@@ -219,15 +206,14 @@ class DecodePlan:
         tiles = [_cdiv(o, block_rows) * (i // layout.group_size) for o, i in layout.shapes]
         args = (*layout.shapes[0], *layout.shapes[1], tiles[0], layout.group_base(1), layout.output_base(1),
                 layout.stream_word, 4 * layout.count_word, 4 * layout.class_word)
-        return cls((sum(tiles),), args, layout.group_size, dtype == torch.bfloat16, block_rows, num_warps,
-                   word_loads)
+        return cls((sum(tiles),), args, layout.group_size, dtype == torch.bfloat16, block_rows, num_warps)
 
     @property
     def constants(self) -> dict:
         """The kernels' compile-time arguments and launch options."""
         return dict(MARGIN_BASE=MARGIN_BASE, MARGIN_STEP=MARGIN_STEP, RAW=RAW_CLASS, RAW_WIDTH=RAW_BITS,
                     GROUP=self.group_size, BLOCK_ROWS=self.block_rows, IS_BF16=self.is_bf16,
-                    WORD_LOADS=self.word_loads, num_warps=self.num_warps)
+                    num_warps=self.num_warps)
 
 
 def expert_operands(drafts: list[Int4Linear], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
