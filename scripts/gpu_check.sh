@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's checks, correctness first, then timings; every output under OUT_DIR.
-#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|tiles|offload|spread|calibration|report|batch|llamacpp|hostcost ...]
+#   scripts/gpu_check.sh OUT_DIR [tests|profile|overlap|kernel|firstdecode|tiles|offload|spread|calibration|report|batch|llamacpp|hostcost ...]
 #   (default: tests profile overlap kernel offload, in this order; the benchmarks it runs are in benchmarks/)
 # tests: every `gpu`-marked test; profile: where the dsv2 draft step's time goes (PROFILE_ARGS=--compile
 # adds the torch.compile'd step beside it: compile time, same tokens, replay ratio); overlap: when the copy
@@ -38,6 +38,8 @@
 # llama.cpp from it; llama.cpp runs in a worker process of its own), a probe (tiny-qwen
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
+# firstdecode: what a prompt's first decode pays over its second, cuDNN SDPA off and on (FIRST_MODEL, FIRST_MEM;
+# default qwen high), calibrated weights, one process.
 # tiles: the residual decode kernel's tile sweep (rows per program, warps),
 # bit-exact first, one process, each plan's time over the default's.
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
@@ -116,6 +118,9 @@ for step in "${STEPS[@]}"; do
              rc=${PIPESTATUS[0]} ;;
     overlap) python3 benchmarks/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
              rc=${PIPESTATUS[0]} ;;
+    firstdecode) python3 benchmarks/bench_first_decode.py --model "${FIRST_MODEL:-qwen}" --mem "${FIRST_MEM:-high}" \
+                   --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
+                 rc=${PIPESTATUS[0]} ;;
     tiles) python3 benchmarks/bench_decode_tiles.py --models dsv2 qwen phi --out "$OUT" 2>&1 | grep -v -i warn
            rc=${PIPESTATUS[0]} ;;
     residual) python3 benchmarks/bench_residual.py --models dsv2 phi --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn
