@@ -17,7 +17,7 @@ from tests.conftest import tiny_model
 
 NON_DEFAULT = {"top_p": 0.9, "prefetch": False, "expert_wise": False, "eviction": "lookahead", "cuda_graph": False,
                "draft_compile": False, "draft_ahead": False, "residual_transfer": False, "pooled_slots": 1,
-               "coded_slots": False, "coded_scratch_rows": 2}
+               "coded_slots": False}
 SPECTER_SYSTEMS = [name for name in known_systems() if name == "specter" or name.startswith("specter_")]
 
 
@@ -115,8 +115,7 @@ BAD_VALUES = [("k", True), ("k", 2.5), ("k", "4"), ("k", 0), ("resident_experts_
               ("top_p", math.nan), ("top_p", True), ("seed", 1.5), ("seed", True), ("seed", "0"), ("prefetch", 1),
               ("prefetch", "false"), ("expert_wise", None), ("cuda_graph", "yes"), ("draft_compile", 1),
               ("draft_ahead", "yes"), ("residual_transfer", 1), ("pooled_slots", -1), ("pooled_slots", 1.5),
-              ("pooled_slots", True), ("coded_slots", 1), ("coded_slots", "yes"), ("eviction", "fifo"),
-              ("eviction", None), ("coded_scratch_rows", 0), ("coded_scratch_rows", 9), ("coded_scratch_rows", True)]
+              ("pooled_slots", True), ("coded_slots", 1), ("coded_slots", "yes"), ("eviction", "fifo"), ("eviction", None)]
 
 
 @pytest.mark.parametrize("name,value", BAD_VALUES)
