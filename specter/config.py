@@ -46,9 +46,6 @@ class SpecterConfig:
       2x as many experts in bf16, 1.45x in fp16, less 8 16-bit scratch rows); loads and prefetches copy blobs,
       and each verify wave (at most 8 experts) rebuilds its experts' exact weights into the scratch rows just
       before its GEMMs.
-    coded_scratch_rows: the 16-bit scratch rows of coded slots (1 to 8; a verify wave rebuilds at most this many
-      experts); fewer leave more of the memory to blob rows, for experts of 100+ MB (Phi-3.5-MoE, Mixtral), where
-      8 rows take 12-40% of the cache memory. A candidate: not yet timed against 8 on a GPU.
     """
 
     k: int | None = None
@@ -65,7 +62,6 @@ class SpecterConfig:
     residual_transfer: bool = True
     pooled_slots: int = 2
     coded_slots: bool = True
-    coded_scratch_rows: int = 8
 
     def __post_init__(self) -> None:
         if self.k is not None:
@@ -82,10 +78,6 @@ class SpecterConfig:
         if not isinstance(self.eviction, str) or self.eviction not in EVICTION_POLICIES:
             raise SpecterError(f"eviction must be 'lru', 'lookahead' or 'popularity', got {self.eviction!r}")
         _integer(self, "pooled_slots", 0)
-        _integer(self, "coded_scratch_rows", 1)
-        if self.coded_scratch_rows > 8:
-            raise SpecterError(f"coded_scratch_rows must be at most 8 (a verify wave's experts), got "
-                               f"{self.coded_scratch_rows}")
 
     @classmethod
     def paper(cls, **fields) -> SpecterConfig:

@@ -130,25 +130,3 @@ def test_coded_slots_on_cuda_give_the_16_bit_slots_tokens_with_fewer_bytes(name,
     assert coded.token_ids == plain.token_ids == raw.token_ids, name
     assert coded.stats["mechanisms"]["coded_slots"] == "on" and coded.stats["h2d_bytes"] < plain.stats["h2d_bytes"]
     assert coded.stats["residual_decodes"] > 0  # the rebuilds
-
-
-def test_fewer_scratch_rows_leave_their_memory_to_blobs_with_the_same_tokens():
-    """coded_scratch_rows=2: a verify wave rebuilds at most 2 experts and the other 6 rows' memory holds blob rows;
-    the tokens stay HF's greedy ones."""
-    model = specter.load_model("tiny-qwen", device="cpu", dtype=torch.bfloat16)
-    ids = prompt("Natalia sold clips")
-    runs, blob_rows = {}, {}
-    for rows in (SCRATCH_ROWS, 2):
-        engine = specter.SpecterEngine(model, specter.SpecterConfig(**CODED, k=4, coded_scratch_rows=rows))
-        runs[rows] = engine.generate(ids, NEW)
-        blob_rows[rows] = model.offload.cache.coded.blobs.shape[0]  # the cache this engine decoded through
-    assert runs[2].token_ids == runs[SCRATCH_ROWS].token_ids == hf_greedy_in("tiny-qwen", torch.bfloat16, ids, NEW)
-    assert [runs[rows].stats["coded_scratch_rows"] for rows in (SCRATCH_ROWS, 2)] == [SCRATCH_ROWS, 2]
-    assert blob_rows[2] > blob_rows[SCRATCH_ROWS]
-    assert runs[2].stats["verify_waves"] >= runs[SCRATCH_ROWS].stats["verify_waves"]
-
-
-@pytest.mark.parametrize("rows", [0, 9])
-def test_scratch_rows_outside_one_to_eight_are_refused(rows):
-    with pytest.raises(SpecterError, match="coded_scratch_rows must be"):
-        specter.SpecterConfig(coded_scratch_rows=rows)

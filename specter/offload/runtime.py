@@ -8,7 +8,7 @@ import torch
 from specter.config import SpecterConfig
 from specter.errors import SpecterError
 from specter.kernels.moe_align import MoEWorkspace
-from specter.offload.coded_slots import SCRATCH_ROWS, CodedSlots, coded_rows
+from specter.offload.coded_slots import CodedSlots, coded_rows
 from specter.offload.eviction import RoutingCounts, make_policy
 from specter.offload.expert_cache import ExpertCache
 from specter.offload.host_store import HostExpertStore
@@ -35,14 +35,13 @@ class OffloadConfig:
     pooled_slots: int = 0  # of `slots`, per layer, moved to the spare rows and lent to the verify layers
     coded: bool = False  # the slots' memory holds residual blobs, rebuilt per verify wave (with `residual`)
     keep_raw: bool = True  # False (with `residual`): the host store lets each layer's raw experts go once encoded
-    scratch_rows: int = SCRATCH_ROWS  # with `coded`: the 16-bit rows a verify wave's experts are rebuilt into
 
     @classmethod
     def of(cls, config: SpecterConfig) -> OffloadConfig:
         """The cache of a (resolved) SpecterConfig: with pooled slots, waves of every slot a layer holds."""
         verify = VerifyOptions(config.expert_wise, -1 if config.pooled_slots else 0)
         return cls(config.resident_experts_per_layer, config.eviction, SPARE_ROWS, verify, config.residual_transfer,
-                   config.pooled_slots, config.coded_slots, scratch_rows=config.coded_scratch_rows)
+                   config.pooled_slots, config.coded_slots)
 
     def attach(self, model) -> OffloadRuntime:
         """The model's runtime with this cache (`offload_experts`: the experts move to the host store once):
@@ -50,8 +49,7 @@ class OffloadConfig:
         lent to the verify layers; with `coded`, that memory holds residual blobs."""
         spare_rows = self.spare_rows + self.pooled_slots * len(model.experts)
         return offload_experts(model, self.slots_per_layer - self.pooled_slots, self.eviction, spare_rows,
-                               self.residual, self.pooled_slots > 0, self.coded and self.residual, self.keep_raw,
-                               self.scratch_rows)
+                               self.residual, self.pooled_slots > 0, self.coded and self.residual, self.keep_raw)
 
 
 @dataclass
@@ -106,7 +104,6 @@ class OffloadSession:
             **self.residency.stats(),
             "routing_counts": self.runtime.routing.per_layer(len(self.cache.layers)),
             "resident_experts_per_layer": self.cache.slots_per_layer,
-            "coded_scratch_rows": self.cache.max_wave or 0,  # 16-bit rows coded slots rebuild into (0: not coded)
             "expert_load_bytes": self.cache.load_bytes,  # what one load moves (the mean blob with residuals)
             "eviction_policy": self.cache.policy.name,
         }
@@ -127,7 +124,7 @@ def move_experts_to_store(model, keep_on_device: bool = False) -> HostExpertStor
 
 def offload_experts(model, slots_per_layer: int, eviction: str = "lru", spare_rows: int = SPARE_ROWS,
                     residual: bool = False, pooled: bool = False, coded: bool = False,
-                    keep_raw: bool = True, scratch_rows: int = SCRATCH_ROWS) -> OffloadRuntime:
+                    keep_raw: bool = True) -> OffloadRuntime:
     """Serve the target's experts from host memory with `slots_per_layer` FP slots per layer (idempotent).
 
     The first call moves the FP experts into the host store (one way). A later call with another
@@ -135,8 +132,8 @@ def offload_experts(model, slots_per_layer: int, eviction: str = "lru", spare_ro
     (the old one is freed first). With `residual`, loads move residual blobs (the residual store is built
     on first use and kept), decoded `DECODE_GROUP` consecutive loads of one layer per launch. With
     `pooled` the verify layers also stream through the spare rows (lent for the layer). With `residual` and
-    `coded`, the memory of those slots and spare rows, less `scratch_rows` 16-bit rows, holds residual blobs
-    (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave. Without
+    `coded`, the memory of those slots and spare rows, less `coded_slots.SCRATCH_ROWS` 16-bit rows, holds residual
+    blobs (`coded_slots.coded_rows`: as many rows of the longest blob as fit), rebuilt per verify wave. Without
     `keep_raw` the residual store's build lets the host store's raw experts go layer by layer (only systems that
     read residual blobs can serve the model afterwards).
     The runtime's own residency manager (default verification options) becomes every layer's target
@@ -155,7 +152,7 @@ def offload_experts(model, slots_per_layer: int, eviction: str = "lru", spare_ro
         store = model.host_store
         slots_per_layer, spare_rows, scratch = coded_rows(slots_per_layer, spare_rows, store.num_layers,
                                                           store.num_experts, store.expert_bytes,
-                                                          residuals.max_blob_words * 4, scratch_rows)
+                                                          residuals.max_blob_words * 4)
     key = (slots_per_layer, eviction, spare_rows, residual, DECODE_GROUP if residual else None, pooled, scratch)
     if runtime is not None and runtime.cache.key == key:
         runtime.streams.group_copies = residual
