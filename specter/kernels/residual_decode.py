@@ -196,7 +196,8 @@ class DecodePlan:
     num_warps: int = NUM_WARPS
 
     @classmethod
-    def of(cls, layout: BlobLayout, dtype: torch.dtype, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> DecodePlan:
+    def of(cls, layout: BlobLayout, dtype: torch.dtype, block_rows: int = BLOCK_ROWS,
+           num_warps: int = NUM_WARPS) -> DecodePlan:
         """The plan of `layout`'s experts in `dtype` (the tile and warps: the defaults unless a sweep sets them)."""
         if len(layout.shapes) != 2:
             raise ValueError("the residual decode kernel takes an expert's two linears (gate_up, down)")
