@@ -10,11 +10,14 @@ a Specter engine of its own (the default config, K the model's for the memory se
 that mode) decodes the built-in warm-up prompt once, then `--prompts` prompts from each local dataset twice each
 (the GC paused); the modes' dataset prompts are disjoint, so that neither mode meets the other's shapes first. Each
 decode is a row of DIR/first_decode.csv; a table per mode gives the first and second decodes' TPOT and target-pass
-time per token, and the one-off: (first - second TPOT) x tokens, in ms per decode.
+time per token, and the one-off: (first - second TPOT) x tokens, in ms per decode. Each row also says what the decode
+made the process set up: Triton kernels compiled (entries added to TRITON_CACHE_DIR, when set to a fresh folder),
+device memory segments allocated (cudaMalloc) and pinned host blocks created with the host time they took.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from statistics import mean
@@ -37,18 +40,36 @@ def disjoint_prompts(prompts: dict[str, list], modes: int, per_mode: int) -> lis
     return [{name: texts[m * per_mode:(m + 1) * per_mode] for name, texts in prompts.items()} for m in range(modes)]
 
 
+def setup_counters() -> dict:
+    """What the process has set up so far: Triton cache entries (TRITON_CACHE_DIR, when set), device memory
+    segments allocated, pinned host blocks created and the host ms spent creating them."""
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    host = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
+    return {"triton_compiles": len(list(Path(cache).iterdir())) if cache and Path(cache).is_dir() else float("nan"),
+            "device_segments": torch.cuda.memory_stats().get("segment.all.allocated", 0)
+            if torch.cuda.is_available() else 0,
+            "host_blocks": host.get("num_host_alloc", float("nan")),
+            "host_alloc_ms": host.get("host_alloc_time.total", float("nan")) / 1000}
+
+
+def counters_since(before: dict) -> dict:
+    """`setup_counters()` now minus `before`: what the process set up in between."""
+    return {name: value - before[name] for name, value in setup_counters().items()}
+
+
 def decode_twice(engine, prompts: dict[str, list[torch.Tensor]], tokens: int) -> list[dict]:
     """Each prompt decoded twice in a row: a row per decode (dataset, prompt, decode 1 or 2, TPOT, target pass)."""
     rows = []
     for name, ids_list in prompts.items():
         for index, ids in enumerate(ids_list):
             for decode in (1, 2):
+                before = setup_counters()
                 with gc_paused():
                     stats = engine.generate(ids, tokens).stats
                 rows.append({"dataset": name, "prompt": index, "decode": decode, "tpot_ms": stats["tpot_ms"],
                              "tpot_target_ms": stats.get("tpot_target_ms", float("nan")),
                              "tpot_draft_ms": stats.get("tpot_draft_ms", float("nan")),
-                             "tokens": stats["generated_tokens"]})
+                             "tokens": stats["generated_tokens"], **counters_since(before)})
     return rows
 
 
@@ -86,6 +107,8 @@ def main() -> None:
     parser.add_argument("--weights", choices=("synthetic", "calibrated"), default="calibrated")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per local dataset and mode")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", choices=[name for name, _ in MODES], default=[n for n, _ in MODES],
+                        help="cuDNN SDPA modes to measure, in MODES' order")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -96,16 +119,19 @@ def main() -> None:
     model = specter.load_model(args.model, weights=args.weights, device="cuda")
     slots = model.spec.mem_presets[args.mem]
     config = specter.SpecterConfig(k=model.spec.k_for(slots), resident_experts_per_layer=slots)
-    texts = {name: load_prompts(name, args.prompts * len(MODES)) for name in names}
+    modes = [(name, cudnn) for name, cudnn in MODES if name in args.modes]
+    texts = {name: load_prompts(name, args.prompts * len(modes)) for name in names}
     encode = lambda t: torch.tensor([model.tokenizer(t)["input_ids"][:PREFIX_TOKENS]])  # noqa: E731
-    split = disjoint_prompts({n: [encode(t) for t in ts] for n, ts in texts.items()}, len(MODES), args.prompts)
+    split = disjoint_prompts({n: [encode(t) for t in ts] for n, ts in texts.items()}, len(modes), args.prompts)
     log = RowLog(args.out / "first_decode.csv") if args.out else None
     workload = (f"{args.model} {args.weights} mem={args.mem} K={config.k} {args.prompts} prompts x {args.new_tokens} "
                 f"tokens per dataset ({', '.join(names)}) and mode, each decoded twice")
     print(workload, flush=True)
-    for (mode, cudnn), prompts in zip(MODES, split):
+    for (mode, cudnn), prompts in zip(modes, split):
         rows = measure_mode(model, config, cudnn, prompts, args.new_tokens)
         for row in rows:
+            print(format_row({"mode": mode, **{k: round(v, 3) if isinstance(v, float) else v
+                                               for k, v in row.items()}}), flush=True)
             if log is not None:
                 log.add({"mode": mode, **row}, workload)
         print(format_row({"mode": mode, **{k: round(v, 3) for k, v in one_off(rows).items()}}), flush=True)

@@ -323,10 +323,6 @@ class DeviceStreams:
         copy alone, so work enqueued after this call keeps the GPU busy while the host waits."""
         return read_when_reached(tensor) if self.cuda else HostRead(tensor, None)  # queued on the compute stream
 
-    def upload(self, tensor: torch.Tensor, ring: str = "compute") -> torch.Tensor:
-        """A small host tensor on the device, copied on the current stream (`UploadRings.upload`)."""
-        return self.uploads.upload(tensor, ring)
-
     def upload_map(self, size: int, entries: list[tuple[int, int]], ring: str = "maps") -> torch.Tensor:
         """[size] int64 on the device, v at i for each (i, v) of `entries`, -1 elsewhere (`UploadRings.upload_map`)."""
         return self.uploads.upload_map(size, entries, ring)
