@@ -39,7 +39,8 @@
 # on the GPU in a process alone and in one where torch used CUDA), then tiny-qwen against target-only
 # on CUDA through the harness.
 # firstdecode: what a prompt's first decode pays over its second, cuDNN SDPA off and on (FIRST_MODEL, FIRST_MEM;
-# default qwen high), calibrated weights, one process.
+# default qwen high; FIRST_ARGS more flags, e.g. "--prompts 1 --modes cudnn_sdp_on"), calibrated weights, one process,
+# a fresh Triton cache, so that each decode's row counts the kernels it compiled.
 # tiles: the residual decode kernel's tile sweep (rows per program, warps),
 # bit-exact first, one process, each plan's time over the default's.
 # residual: residual transfer on one expert per model (bit-exact decode, raw vs residual copy, decode time,
@@ -118,8 +119,8 @@ for step in "${STEPS[@]}"; do
              rc=${PIPESTATUS[0]} ;;
     overlap) python3 benchmarks/profile_offload.py --model dsv2 --k 8 --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
              rc=${PIPESTATUS[0]} ;;
-    firstdecode) python3 benchmarks/bench_first_decode.py --model "${FIRST_MODEL:-qwen}" --mem "${FIRST_MEM:-high}" \
-                   --out "$OUT" 2>&1 | grep -v -i -E "warn|max_cache_len"
+    firstdecode) TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/bench_first_decode.py --model "${FIRST_MODEL:-qwen}" \
+                   --mem "${FIRST_MEM:-high}" --out "$OUT" ${FIRST_ARGS:-} 2>&1 | grep -v -i -E "warn|max_cache_len"
                  rc=${PIPESTATUS[0]} ;;
     tiles) python3 benchmarks/bench_decode_tiles.py --models dsv2 qwen phi --out "$OUT" 2>&1 | grep -v -i warn
            rc=${PIPESTATUS[0]} ;;
