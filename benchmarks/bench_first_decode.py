@@ -11,7 +11,8 @@ that mode) decodes the built-in warm-up prompt once, then `--prompts` prompts fr
 (the GC paused); the modes' dataset prompts are disjoint, so that neither mode meets the other's shapes first. Each
 decode is a row of DIR/first_decode.csv; a table per mode gives the first and second decodes' TPOT and target-pass
 time per token, and the one-off: (first - second TPOT) x tokens, in ms per decode. Each row also says what the decode
-made the process set up: Triton kernels compiled (entries added to TRITON_CACHE_DIR, when set to a fresh folder),
+made the process set up: Triton kernels compiled (entries added to TRITON_CACHE_DIR, when set to a fresh folder,
+and their kernels' names),
 device memory segments allocated (cudaMalloc) and pinned host blocks created with the host time they took.
 """
 from __future__ import annotations
@@ -40,21 +41,36 @@ def disjoint_prompts(prompts: dict[str, list], modes: int, per_mode: int) -> lis
     return [{name: texts[m * per_mode:(m + 1) * per_mode] for name, texts in prompts.items()} for m in range(modes)]
 
 
+def triton_entries() -> set[Path]:
+    """The entries of TRITON_CACHE_DIR (one per compiled kernel), empty when it is not set."""
+    cache = os.environ.get("TRITON_CACHE_DIR")
+    return set(Path(cache).iterdir()) if cache and Path(cache).is_dir() else set()
+
+
+def kernel_names(entries: set[Path]) -> str:
+    """The kernels that Triton cache `entries` hold, e.g. "_align_kernel+_slot_down_kernel" ("" for none)."""
+    names = {f.stem for entry in entries if entry.is_dir() for f in entry.glob("*.json")
+             if not f.name.startswith("__grp__")}
+    return "+".join(sorted(names))
+
+
 def setup_counters() -> dict:
     """What the process has set up so far: Triton cache entries (TRITON_CACHE_DIR, when set), device memory
     segments allocated, pinned host blocks created and the host ms spent creating them."""
     cache = os.environ.get("TRITON_CACHE_DIR")
     host = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
-    return {"triton_compiles": len(list(Path(cache).iterdir())) if cache and Path(cache).is_dir() else float("nan"),
+    return {"triton_compiles": len(triton_entries()) if cache and Path(cache).is_dir() else float("nan"),
             "device_segments": torch.cuda.memory_stats().get("segment.all.allocated", 0)
             if torch.cuda.is_available() else 0,
             "host_blocks": host.get("num_host_alloc", float("nan")),
             "host_alloc_ms": host.get("host_alloc_time.total", float("nan")) / 1000}
 
 
-def counters_since(before: dict) -> dict:
-    """`setup_counters()` now minus `before`: what the process set up in between."""
-    return {name: value - before[name] for name, value in setup_counters().items()}
+def counters_since(before: dict, entries: set[Path]) -> dict:
+    """`setup_counters()` now minus `before` (taken with Triton cache `entries`): what the process set up in
+    between, with the names of the kernels compiled."""
+    counts = {name: value - before[name] for name, value in setup_counters().items()}
+    return {**counts, "triton_kernels": kernel_names(triton_entries() - entries)}
 
 
 def decode_twice(engine, prompts: dict[str, list[torch.Tensor]], tokens: int) -> list[dict]:
@@ -63,13 +79,13 @@ def decode_twice(engine, prompts: dict[str, list[torch.Tensor]], tokens: int) ->
     for name, ids_list in prompts.items():
         for index, ids in enumerate(ids_list):
             for decode in (1, 2):
-                before = setup_counters()
+                before, entries = setup_counters(), triton_entries()
                 with gc_paused():
                     stats = engine.generate(ids, tokens).stats
                 rows.append({"dataset": name, "prompt": index, "decode": decode, "tpot_ms": stats["tpot_ms"],
                              "tpot_target_ms": stats.get("tpot_target_ms", float("nan")),
                              "tpot_draft_ms": stats.get("tpot_draft_ms", float("nan")),
-                             "tokens": stats["generated_tokens"], **counters_since(before)})
+                             "tokens": stats["generated_tokens"], **counters_since(before, entries)})
     return rows
 
 

@@ -32,3 +32,16 @@ def test_a_mode_decodes_each_prompt_twice_and_restores_the_backend_setting():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     assert [(r["prompt"], r["decode"]) for r in rows] == [(0, 1), (0, 2)]
     assert all(r["tokens"] == 8 and r["tpot_ms"] > 0 for r in rows)
+
+
+def test_the_kernels_compiled_are_named_from_the_new_cache_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "_slot_down_kernel.json").write_text("{}")
+    before = bench.triton_entries()
+    for entry, name in (("h1", "_align_kernel"), ("h2", "_slot_gate_up_kernel")):
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / f"{name}.json").write_text("{}")
+        (tmp_path / entry / f"__grp__{name}.json").write_text("{}")
+    assert bench.kernel_names(bench.triton_entries() - before) == "_align_kernel+_slot_gate_up_kernel"
+    assert bench.kernel_names(set()) == ""

@@ -210,6 +210,21 @@ class TestCuda:
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
         assert rel_err(out, int4_moe_reference(x, idx, w, gate_up, down, SILU)) < 3e-2
 
+    def test_every_window_length_runs_the_kernels_compiled_for_the_first(self, kernels, layer):
+        """The pair count is not a specialisation: windows of 1..33 tokens compile nothing after the first,
+        so a decode never meets a Triton compile mid-way (about 0.4 s each)."""
+        gate_up, down, experts, k = layer
+        workspace = kernels.MoEWorkspace()
+        counts = []
+        for tokens in range(1, 34):
+            x = torch.randn(tokens, gate_up.in_features, device="cuda", dtype=torch.float16)
+            idx = torch.rand(tokens, experts, device="cuda").topk(k).indices  # [T, k]
+            w = torch.rand(tokens, k, device="cuda").softmax(-1).half()
+            out = kernels.fused_int4_moe(x, idx, w, gate_up, down, SILU, workspace=workspace)
+            assert rel_err(out, int4_moe_reference(x, idx, w, gate_up, down, SILU)) < 1e-2
+            counts.append(workspace.compiled_kernels())
+        assert counts == [3] * len(counts)  # the alignment, gate_up and down
+
     @pytest.mark.parametrize("tokens", [1, 17])  # a draft step; a K=16 verify window
     def test_one_launch_alignment_on_cuda(self, kernels, layer, tokens):
         _, _, experts, k = layer

@@ -11,9 +11,10 @@ class FakeKernel:
     """A JIT function's attributes (arg_names, params) and the records of its calls."""
 
     def __init__(self, interpreted: bool = False) -> None:
-        self.arg_names = ["x_ptr", "n", "length", "BLOCK", "FLAG"]
-        self.params = [SimpleNamespace(name=name, default=default) for name, default in
-                       [("x_ptr", None), ("n", None), ("length", None), ("BLOCK", None), ("FLAG", 7)]]
+        self.arg_names = ["x_ptr", "n", "length", "BLOCK", "FLAG"]  # `length` is declared do_not_specialize
+        self.params = [SimpleNamespace(name=name, default=default, do_not_specialize=name == "length")
+                       for name, default in [("x_ptr", None), ("n", None), ("length", None), ("BLOCK", None),
+                                             ("FLAG", 7)]]
         self.interpreted = interpreted
         self.jit_calls, self.bound_grids, self.launches = [], [], []
 
@@ -43,7 +44,7 @@ class Jit(FakeKernel):
 
 def test_first_call_of_a_signature_goes_through_the_jit_later_ones_to_thelauncher():
     kernel = Jit()
-    launch = CompiledLaunch(kernel, unspecialised=("length",))
+    launch = CompiledLaunch(kernel)
     x = torch.zeros(8)
     launch((4,), x, 3, 100, BLOCK=16, num_warps=4)
     launch((4,), x, 3, 200, BLOCK=16, num_warps=4)  # another length: not part of the signature

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specter.kernels.moe_align import Alignment, MoEWorkspace, moe_align_block_size, scratch
+from specter.kernels.moe_align import Alignment, MoEWorkspace, compiled_launch, moe_align_block_size, scratch
 from specter.quant.int4 import PACK, Int4Linear
 
 try:
@@ -38,7 +38,7 @@ DEFAULT_CONFIG = KernelConfig()
 
 if TRITON_AVAILABLE:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # one compiled kernel for every window length
     def _gate_up_kernel(
         x_ptr, qw_ptr, sc_ptr, out_ptr,  # hidden [T, H]; qweight [E, H/8, 2I]; scales [E, H/g, 2I]; out [rows, I]
         sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -83,7 +83,7 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # one compiled kernel for every window length
     def _down_kernel(
         a_ptr, qw_ptr, sc_ptr, w_ptr, out_ptr,  # act [rows, I]; qweight [E, I/8, H]; scales [E, I/g, H];
         sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,  # routing weights [T*k]; out [T*k, H] fp32
@@ -160,6 +160,7 @@ class _Call:
     pair_out: torch.Tensor  # [T*k, H] fp32, weighted expert output per (token, slot)
     top_k: int
     cfg: KernelConfig
+    workspace: MoEWorkspace | None  # holds the kernels' compiled launches
 
 
 def _contiguous(packed: Int4Linear) -> Int4Linear:
@@ -174,14 +175,14 @@ def _prepare(hidden, top_k_index, top_k_weights, gate_up, down, workspace, cfg) 
     pair_out = scratch(workspace, "pair_out", (top_k_index.numel(), hidden.shape[1]), torch.float32,
                         hidden.device)  # [T*k, H]
     return _Call(hidden, top_k_weights.reshape(-1).contiguous(), _contiguous(gate_up), _contiguous(down),
-                 align, inter_buf, pair_out, top_k_index.shape[1], cfg)
+                 align, inter_buf, pair_out, top_k_index.shape[1], cfg, workspace)
 
 
 def _launch_gate_up(c: _Call, grid_m: int, block_offset: int) -> None:
     qw, sc, cfg = c.gate_up.qweight, c.gate_up.scales, c.cfg  # [E, H/8, 2I], [E, H/g, 2I]
     n_inter = c.inter_buf.shape[1]
-    _gate_up_kernel[(grid_m, triton.cdiv(n_inter, cfg.block_n))](
-        c.hidden, qw, sc, c.inter_buf, c.align.sorted_pair_ids, c.align.expert_ids, c.align.num_padded,
+    compiled_launch(c.workspace, _gate_up_kernel)(
+        (grid_m, triton.cdiv(n_inter, cfg.block_n)), c.hidden, qw, sc, c.inter_buf, c.align.sorted_pair_ids, c.align.expert_ids, c.align.num_padded,
         c.pair_out.shape[0], c.top_k, c.hidden.shape[1], n_inter, c.gate_up.group_size, block_offset,
         c.hidden.stride(0), qw.stride(0), qw.stride(1), sc.stride(0), sc.stride(1), c.inter_buf.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -192,8 +193,8 @@ def _launch_gate_up(c: _Call, grid_m: int, block_offset: int) -> None:
 def _launch_down(c: _Call, grid_m: int, block_offset: int) -> None:
     qw, sc, cfg = c.down.qweight, c.down.scales, c.cfg  # [E, I/8, H], [E, I/g, H]
     n_out = c.pair_out.shape[1]
-    _down_kernel[(grid_m, triton.cdiv(n_out, cfg.block_n))](
-        c.inter_buf, qw, sc, c.flat_weights, c.pair_out, c.align.sorted_pair_ids, c.align.expert_ids,
+    compiled_launch(c.workspace, _down_kernel)(
+        (grid_m, triton.cdiv(n_out, cfg.block_n)), c.inter_buf, qw, sc, c.flat_weights, c.pair_out, c.align.sorted_pair_ids, c.align.expert_ids,
         c.align.num_padded, c.pair_out.shape[0], c.inter_buf.shape[1], n_out, c.down.group_size, block_offset,
         c.inter_buf.stride(0), qw.stride(0), qw.stride(1), sc.stride(0), sc.stride(1), c.pair_out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

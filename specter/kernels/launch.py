@@ -5,7 +5,7 @@ a kernel with many arguments: more than a cache load or a verify wave can spare.
 each call by a signature that fixes the JIT's specialisation (each tensor's dtype, device and 16-byte
 alignment, every other argument's value, the constexprs and launch options), sends the first call of a
 signature through the JIT (which compiles or finds the kernel) and later calls straight to that compiled
-kernel's launcher. Arguments the kernel declares `do_not_specialize` may be left out of the signature.
+kernel's launcher. Arguments the kernel declares `do_not_specialize` are left out of the signature.
 Under the interpreter (no compiled kernel) every call goes through the JIT, and so does every call after
 a launcher refused its arguments (a Triton whose launcher takes another argument list), with a warning.
 """
@@ -28,10 +28,11 @@ class CompiledLaunch:
     kernel's launcher once the JIT has launched that signature. `constexprs` holds the kernel's trailing
     parameters by name (those not given fall back to their defaults) and launch options (num_warps, ...)."""
 
-    def __init__(self, kernel, unspecialised: tuple[str, ...] = ()) -> None:
+    def __init__(self, kernel) -> None:
         self.kernel = kernel
         self.names = list(kernel.arg_names)
-        self.skip = {self.names.index(name) for name in unspecialised}
+        self.skip = {i for i, param in enumerate(getattr(kernel, "params", ()))  # none interpreted
+                     if getattr(param, "do_not_specialize", False)}
         self.compiled = {}  # signature -> compiled kernel (None: the interpreter)
         self.runners = {}  # (signature, grid) -> (launcher, trailing parameter values)
         self.jit_only = False  # set when a compiled kernel's launcher refused its arguments

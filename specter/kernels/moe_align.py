@@ -51,6 +51,10 @@ class MoEWorkspace:
             self._buffers[key] = buf
         return buf[:numel].view(shape)
 
+    def compiled_kernels(self) -> int:
+        """Compiled kernels its launches have gone through (one per specialisation; 0 under the interpreter)."""
+        return sum(len(launch.compiled) for launch in self._launches.values())
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
@@ -132,9 +136,18 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n)) if TRITON_AVAILABLE else n
 
 
+def one_launch_blocks(num_experts: int, block_m: int) -> tuple[int, int, int]:
+    """The one-launch kernel's (P, E, B) register blocks for `num_experts`: the most pairs one program handles
+    at this E, whatever the routing's own count, so that every window length runs one compiled kernel (a
+    per-count block would compile once per power of two, mid-decode)."""
+    experts = _pow2(num_experts)
+    pairs = MAX_ONE_LAUNCH // experts
+    return pairs, experts, _pow2(max_blocks(pairs, num_experts, block_m))
+
+
 if TRITON_AVAILABLE:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])  # one compiled kernel for every window length
     def _align_kernel(
         ids_ptr, sorted_ptr, expert_ids_ptr, padded_ptr, num_padded_ptr,  # ids [P]; outputs, all int64
         num_pairs, num_experts, num_blocks,
@@ -175,7 +188,8 @@ def moe_align_triton(top_k_index: torch.Tensor, num_experts: int, block_m: int,
     expert_ids = torch.empty(blocks, dtype=torch.long, device=device)
     padded = torch.empty(num_experts, dtype=torch.long, device=device)
     num_padded = torch.empty(1, dtype=torch.long, device=device)
+    pairs_block, experts_block, blocks_block = one_launch_blocks(num_experts, block_m)
     compiled_launch(workspace, _align_kernel)(
         (1,), flat, sorted_ids, expert_ids, padded, num_padded, num_pairs, num_experts, blocks, BLOCK_M=block_m,
-        P=_pow2(num_pairs), E=_pow2(num_experts), B=_pow2(blocks), R=256, num_warps=8)
+        P=pairs_block, E=experts_block, B=blocks_block, R=256, num_warps=8)
     return Alignment(sorted_ids, expert_ids, num_padded, padded, block_m)

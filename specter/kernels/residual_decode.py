@@ -243,7 +243,7 @@ class DecodeLauncher:
 
     def __init__(self, plan: DecodePlan) -> None:
         self.plan = plan
-        self.launch = CompiledLaunch(_residual_decode_kernel, unspecialised=("blob_words",))
+        self.launch = CompiledLaunch(_residual_decode_kernel)
         self.group_launch = CompiledLaunch(_residual_decode_group_kernel)
         self.bound_groups, self.bound_buffers = {}, None  # (layer operands, group size) -> bound launch; buffers
         self.constants = plan.constants

@@ -38,7 +38,7 @@ def slot_views(slot_buffer: torch.Tensor, slot: int, intermediate: int) -> tuple
 
 if TRITON_AVAILABLE:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # one compiled kernel for every window length
     def _slot_gate_up_kernel(
         x_ptr, w_ptr, slot_ptr, out_ptr,  # hidden [T, H]; slots [S, 3IH]; slot_of_expert [E]; out [rows, I]
         sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -73,7 +73,7 @@ if TRITON_AVAILABLE:
         out_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # one compiled kernel for every window length
     def _slot_down_kernel(
         a_ptr, w_ptr, slot_ptr, out_ptr,  # act [rows, I]; slots [S, 3IH]; slot_of_expert [E]; out [T*k, H] fp32
         sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
