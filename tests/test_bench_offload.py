@@ -186,7 +186,7 @@ def test_the_paper_system_is_the_paper_design_and_specter_the_defaults(monkeypat
 def test_default_k_is_the_depth_profile_where_the_model_has_one():
     from specter.models.registry import get_spec
     assert bench.default_k(get_spec("dsv2"), "low") == 32 and bench.default_k(get_spec("dsv2"), "high") == 16
-    assert bench.default_k(get_spec("qwen"), "high") == 24 and bench.default_k(get_spec("tiny"), "low") == 4
+    assert bench.default_k(get_spec("qwen"), "high") == 16 and bench.default_k(get_spec("tiny"), "low") == 4
 
 
 def test_residual_what_if_prices_loads_at_a_blob_and_holds_more_slots_in_the_same_memory():

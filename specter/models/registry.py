@@ -194,7 +194,7 @@ _SPECS = [
              norm_topk_prob=False, max_position_embeddings=8192, rms_norm_eps=1e-6, rope_parameters=THETA_1E6,
              use_sliding_window=False, bos_token_id=151643, eos_token_id=151643, tie_word_embeddings=False),
         default_k=8, mem_presets={"high": 15, "low": 8}, hf_repo="Qwen/Qwen1.5-MoE-A2.7B",
-        depth_k={"high": 24, "low": 16},  # best_k.json of calibrated-h200/depth-s14-qwen-high, depth-qwen-low-h100
+        depth_k={"high": 16, "low": 16},  # results/reference/depth-qwen-high-h100, depth-qwen-low-h100
         description="Qwen1.5-MoE-A2.7B (14B, 60 routed experts top-4)",
         routing_profile=RoutingProfile(  # fitted at full depth on the H200 (float32, 6 prompts x 128 tokens)
             factors=((1.0428, 1.5079), (0.4052, 50.735), (0.3012, _INF)), token_weight=1.0, accept_gain=454.63,
