@@ -2,17 +2,17 @@
 
     python benchmarks/bench_first_decode.py --model qwen --mem high --weights calibrated --prompts 2 --out DIR
 
-A decode that meets window lengths (query shapes of the target pass) the warm-up did not can pay a one-off for
-them: a kernel compiled for a new shape class, an attention backend's per-shape setup (cuDNN's SDPA builds an
-execution graph per new query length), a pinned buffer allocated (results/reference/first-decode-h100). In one
-process, per mode (cuDNN SDPA off, then on: `torch.backends.cuda.enable_cudnn_sdp`), a Specter engine of its own
-(the default config, K the model's for the memory setting, its draft graph captured under that mode) decodes the
-built-in warm-up prompt once, then `--prompts` prompts from each local dataset twice each (the GC paused); the modes' dataset prompts are disjoint, so that neither mode meets the other's shapes first. Each
-decode is a row of DIR/first_decode.csv; a table per mode gives the first and second decodes' TPOT and target-pass
-time per token, and the one-off: (first - second TPOT) x tokens, in ms per decode. Each row also says what the decode
-made the process set up: Triton kernels compiled (entries added to TRITON_CACHE_DIR, when set to a fresh folder,
-and their kernels' names), device memory segments allocated (cudaMalloc) and pinned host blocks created with the
-host time they took.
+A decode that meets window lengths (query shapes of the target pass) the warm-up did not can pay a one-off for them:
+a kernel compiled for a new shape class, an attention backend's per-shape setup (cuDNN's SDPA builds an execution
+graph per new query length), a pinned buffer allocated (results/reference/first-decode-h100). In one process, per
+mode (cuDNN SDPA off, then on: `torch.backends.cuda.enable_cudnn_sdp`), a Specter engine of its own (the default
+config, K the model's for the memory setting, its draft graph captured under that mode) decodes the built-in warm-up
+prompt once, then `--prompts` prompts from each local dataset twice each (the GC paused); the modes' dataset prompts
+are disjoint, so that neither mode meets the other's shapes first. Each decode is a row of DIR/first_decode.csv; a
+table per mode gives the first and second decodes' TPOT and target-pass time per token, and the one-off: (first -
+second TPOT) x tokens, in ms per decode. Each row also says what the decode made the process set up: Triton kernels
+compiled (entries added to TRITON_CACHE_DIR, when set to a fresh folder, and their kernels' names), device memory
+segments allocated (cudaMalloc) and pinned host blocks created with the host time they took.
 """
 from __future__ import annotations
 
