@@ -130,7 +130,8 @@ class HostPathOptions:
     (`pooled`), resident experts per layer (`slots`), the shared spare rows (`spare_rows`), and the residual
     staging rows (`staging_rows`: as many as STAGING_BYTES holds of dsv2's longest calibrated blob, about 12 MB;
     the runtime caps a decode group there), and residual-coded slots (`coded`: the same memory as blob rows,
-    rebuilt per wave into the scratch rows)."""
+    rebuilt per wave into the scratch rows; Specter's default, off here so that the grouped-load switches apply:
+    `coded=true` is the default runtime's path)."""
 
     layers: int = 26
     experts: int = 64
