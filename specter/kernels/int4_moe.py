@@ -182,7 +182,8 @@ def _launch_gate_up(c: _Call, grid_m: int, block_offset: int) -> None:
     qw, sc, cfg = c.gate_up.qweight, c.gate_up.scales, c.cfg  # [E, H/8, 2I], [E, H/g, 2I]
     n_inter = c.inter_buf.shape[1]
     compiled_launch(c.workspace, _gate_up_kernel)(
-        (grid_m, triton.cdiv(n_inter, cfg.block_n)), c.hidden, qw, sc, c.inter_buf, c.align.sorted_pair_ids, c.align.expert_ids, c.align.num_padded,
+        (grid_m, triton.cdiv(n_inter, cfg.block_n)),
+        c.hidden, qw, sc, c.inter_buf, c.align.sorted_pair_ids, c.align.expert_ids, c.align.num_padded,
         c.pair_out.shape[0], c.top_k, c.hidden.shape[1], n_inter, c.gate_up.group_size, block_offset,
         c.hidden.stride(0), qw.stride(0), qw.stride(1), sc.stride(0), sc.stride(1), c.inter_buf.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -194,7 +195,8 @@ def _launch_down(c: _Call, grid_m: int, block_offset: int) -> None:
     qw, sc, cfg = c.down.qweight, c.down.scales, c.cfg  # [E, I/8, H], [E, I/g, H]
     n_out = c.pair_out.shape[1]
     compiled_launch(c.workspace, _down_kernel)(
-        (grid_m, triton.cdiv(n_out, cfg.block_n)), c.inter_buf, qw, sc, c.flat_weights, c.pair_out, c.align.sorted_pair_ids, c.align.expert_ids,
+        (grid_m, triton.cdiv(n_out, cfg.block_n)),
+        c.inter_buf, qw, sc, c.flat_weights, c.pair_out, c.align.sorted_pair_ids, c.align.expert_ids,
         c.align.num_padded, c.pair_out.shape[0], c.inter_buf.shape[1], n_out, c.down.group_size, block_offset,
         c.inter_buf.stride(0), qw.stride(0), qw.stride(1), sc.stride(0), sc.stride(1), c.pair_out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
